@@ -1,0 +1,67 @@
+"""Shared test utilities: tiny models, synthetic samples, collation."""
+
+import copy
+from typing import Dict, List, Sequence
+
+import torch
+from torchtune.data import padded_collate_sft
+from torchtune.models.llama3_2 import llama3_2
+
+IGNORE = -100
+VOCAB = 128
+
+
+def tiny_model(seed: int = 0, vocab_size: int = VOCAB) -> torch.nn.Module:
+    """A 2-layer random llama3_2 decoder (fp32, CPU) for exactness tests."""
+    torch.manual_seed(seed)
+    return llama3_2(
+        vocab_size=vocab_size, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=32,
+        max_seq_len=128, intermediate_dim=64, rope_base=10_000, scale_factor=1,
+    )
+
+
+def text_samples(lengths: Sequence[int], seed: int = 0) -> List[Dict[str, List[int]]]:
+    """Text-completion samples: every label trainable."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in lengths:
+        tokens = torch.randint(3, VOCAB, (n,), generator=g).tolist()
+        out.append({"tokens": tokens, "labels": list(tokens)})
+    return out
+
+
+def instruct_samples(prompt_lengths: Sequence[int], answer_lengths: Sequence[int], seed: int = 1):
+    """Instruct samples: prompt labels masked with IGNORE, answer trainable."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for p, a in zip(prompt_lengths, answer_lengths):
+        tokens = torch.randint(3, VOCAB, (p + a,), generator=g).tolist()
+        out.append({"tokens": tokens, "labels": [IGNORE] * p + tokens[p:]})
+    return out
+
+
+def collate(samples, pad_to: int = 0):
+    """torchtune's SFT collator, optionally right-padded to ``pad_to`` columns."""
+    batch = padded_collate_sft(samples, padding_idx=0, ignore_idx=IGNORE)
+    extra = pad_to - batch["tokens"].size(1)
+    if extra > 0:
+        batch["tokens"] = torch.nn.functional.pad(batch["tokens"], (0, extra), value=0)
+        batch["labels"] = torch.nn.functional.pad(batch["labels"], (0, extra), value=IGNORE)
+    return batch
+
+
+def windows(samples, batch_size: int, grad_accum: int, pad_to: int = 0):
+    """Split samples in order into optimizer-step windows of micro-batches."""
+    micro = [collate(samples[i:i + batch_size], pad_to) for i in range(0, len(samples), batch_size)]
+    return [micro[i:i + grad_accum] for i in range(0, len(micro), grad_accum)]
+
+
+def clone(model):
+    return copy.deepcopy(model)
+
+
+def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b| (0 when both are zero)."""
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    scale = b.abs().max().item()
+    return (a - b).abs().max().item() / scale if scale > 0 else (a - b).abs().max().item()

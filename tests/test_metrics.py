@@ -1,0 +1,95 @@
+"""Step records, the rank-aware JSONL logger, and what reaches W&B offline."""
+
+import json
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from torchtune_ext.metrics import MetricLogger, build_metric_logger, peak_memory_gib, step_record
+from torchtune_ext.step import StepResult
+from wandb_reader import read_offline_run
+
+CPU = torch.device("cpu")
+
+
+def test_step_record_keys_and_throughput():
+    r = StepResult(loss=1.5, num_tokens=300, local_num_tokens=150, grad_norm=2.0)
+    rec = step_record(r, step=3, epoch=0, lr=1e-4, step_seconds=2.0, device=CPU, dp_world_size=2)
+    assert rec["loss"] == 1.5 and rec["grad_norm"] == 2.0 and rec["num_tokens"] == 300
+    assert rec["tokens_per_second"] == 150.0 and rec["tokens_per_second_per_device"] == 75.0
+    assert rec["peak_memory_gib"] > 0
+
+
+def test_skipped_step_logs_no_loss():
+    r = StepResult(loss=None, num_tokens=0, local_num_tokens=0, grad_norm=None, skipped="empty")
+    rec = step_record(r, step=1, epoch=0, lr=1e-4, step_seconds=1.0, device=CPU, skipped_steps=1)
+    assert "loss" not in rec and "grad_norm" not in rec and rec["skipped_steps"] == 1
+
+
+def test_peak_memory_tracks_allocation():
+    before = peak_memory_gib(CPU)
+    block = torch.ones(256 * 1024 * 1024 // 4)  # 256 MiB, touched
+    after = peak_memory_gib(CPU)
+    del block
+    assert after - before > 0.2
+
+
+class RecordingBackend:
+    def __init__(self):
+        self.rows, self.closed = [], False
+
+    def log_config(self, cfg):
+        self.cfg = cfg
+
+    def log_dict(self, payload, step):
+        self.rows.append((step, dict(payload)))
+
+    def close(self):
+        self.closed = True
+
+
+def test_jsonl_and_backend_on_rank_zero_only(tmp_path):
+    backend = RecordingBackend()
+    logger = MetricLogger(tmp_path / "logs" / "metrics.jsonl", backend, rank=0)
+    logger.log({"step": 1, "loss": 0.5})
+    logger.log({"step": 2, "loss": 0.25})
+    logger.close()
+    lines = [json.loads(l) for l in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert lines == [{"step": 1, "loss": 0.5}, {"step": 2, "loss": 0.25}]
+    assert backend.rows == [(1, {"loss": 0.5}), (2, {"loss": 0.25})] and backend.closed
+
+    other = RecordingBackend()
+    silent = MetricLogger(tmp_path / "rank1" / "metrics.jsonl", other, rank=1)
+    silent.log({"step": 1, "loss": 0.5})
+    silent.close()
+    assert not (tmp_path / "rank1").exists() and other.rows == []
+
+
+def test_jsonl_appends_on_resume(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    for step in (1, 2):
+        logger = MetricLogger(path, None, rank=0)
+        logger.log({"step": step})
+        logger.close()
+    assert [json.loads(l)["step"] for l in path.read_text().splitlines()] == [1, 2]
+
+
+def test_wandb_offline_run_receives_metrics_and_config(tmp_path):
+    cfg = OmegaConf.create({
+        "output_dir": str(tmp_path),
+        "batch_size": 3,
+        "metric_logger": {
+            "_component_": "torchtune.training.metric_logging.WandBLogger",
+            "project": "test", "mode": "offline", "log_dir": str(tmp_path / "logs"),
+        },
+    })
+    logger = build_metric_logger(cfg, rank=0)
+    logger.log_config(cfg)
+    logger.log({"step": 1, "loss": 0.75, "num_tokens": 10})
+    logger.log({"step": 2, "loss": 0.5, "num_tokens": 12})
+    logger.close()
+    run = read_offline_run(str(tmp_path / "logs"))
+    rows = [r for r in run["history"] if "loss" in r]
+    assert [(r["global_step"], r["loss"], r["num_tokens"]) for r in rows] == [(1, 0.75, 10), (2, 0.5, 12)]
+    assert run["config"]["batch_size"] == 3

@@ -1,0 +1,217 @@
+"""Exactness of the shared micro-batch loop (torchtune_ext.step) on a tiny model."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import IGNORE, clone, collate, instruct_samples, rel_diff, text_samples, tiny_model, windows
+from torchtune_ext.loss import SummedCrossEntropyLoss
+from torchtune_ext.step import (
+    NonFiniteError,
+    forward_backward,
+    grad_norm_and_clip,
+    micro_batch_windows,
+    steps_per_epoch,
+    train_step,
+)
+
+CPU = torch.device("cpu")
+TOL = 1e-5
+
+
+def reference_step(model, samples):
+    """Independent reference: per-sample forward without padding, plain CE.
+
+    Returns the mean CE over every trainable next-token position of the
+    samples, and the gradient of that mean.
+    """
+    model.zero_grad(set_to_none=True)
+    total, count = 0.0, 0
+    for s in samples:
+        tokens = torch.tensor([s["tokens"]])
+        labels = torch.tensor(s["labels"])[1:]
+        logits = model(tokens)[0, :-1]
+        keep = labels != IGNORE
+        if keep.any():
+            total = total + F.cross_entropy(logits[keep], labels[keep], reduction="sum")
+        count += int(keep.sum())
+    loss = total / count
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return loss.item(), grads
+
+
+def run_steps(model, step_windows, once, lr=0.5, chunks=1):
+    """Train with SGD over the windows; return per-step (loss, grad_norm) and params."""
+    model.set_num_output_chunks(chunks)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    loss_fn = SummedCrossEntropyLoss(num_output_chunks=chunks, ignore_index=IGNORE)
+    history = []
+    for i, w in enumerate(step_windows):
+        r = train_step(model, opt, loss_fn, w, device=CPU, backward_once_per_step=once, step=i + 1)
+        history.append((r.loss, r.grad_norm, r.num_tokens))
+    return history, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+DATASETS = {
+    # (a) text completion, every label trainable, varied lengths
+    "text": lambda: text_samples([5, 17, 2, 30, 9, 23, 11, 4, 26, 13, 7, 19]),
+    # (b) instruct with masked prompts of varied length
+    "instruct": lambda: instruct_samples([10, 3, 20, 6, 15, 2, 8, 25, 4, 12, 9, 5],
+                                         [4, 20, 2, 11, 1, 30, 7, 3, 16, 5, 10, 22]),
+}
+
+
+@pytest.mark.parametrize("data", sorted(DATASETS))
+@pytest.mark.parametrize("once", [True, False], ids=["once_per_step", "per_micro_batch"])
+@pytest.mark.parametrize("pad_to", [0, 64], ids=["tight", "heavy_padding"])
+def test_batch_split_invariance(data, once, pad_to):
+    """Batch N, batch 1 x N accumulation, batch N/2 x 2: same losses, norms, params."""
+    samples = DATASETS[data]()
+    n = 4  # global batch; 12 samples -> 3 optimizer steps
+    base = tiny_model()
+    splits = {"bN": (n, 1), "b1_gaN": (1, n), "bN/2_ga2": (n // 2, 2)}
+    results = {}
+    for name, (bs, ga) in splits.items():
+        results[name] = run_steps(clone(base), windows(samples, bs, ga, pad_to), once)
+    (ref_hist, ref_params) = results["bN"]
+    assert len(ref_hist) == 3
+    for name, (hist, params) in results.items():
+        for (l, g, t), (rl, rg, rt) in zip(hist, ref_hist):
+            assert t == rt
+            assert abs(l - rl) <= TOL * abs(rl), (name, l, rl)
+            assert abs(g - rg) <= TOL * abs(rg), (name, g, rg)
+        for k in params:
+            assert rel_diff(params[k], ref_params[k]) <= TOL, (name, k)
+
+
+@pytest.mark.parametrize("once", [True, False])
+@pytest.mark.parametrize("chunks", [1, 8])
+def test_matches_independent_reference(once, chunks):
+    """Loss and gradient equal an unpadded per-sample computation of the token mean."""
+    samples = instruct_samples([3, 9, 1], [12, 2, 30])
+    model = tiny_model()
+    ref_loss, ref_grads = reference_step(model, samples)
+    model.set_num_output_chunks(chunks)
+    loss_fn = SummedCrossEntropyLoss(num_output_chunks=chunks, ignore_index=IGNORE)
+    micro = [collate(samples[:2], pad_to=50), collate(samples[2:])]
+    summed, num_tokens, local = forward_backward(model, loss_fn, micro, device=CPU, backward_once_per_step=once)
+    # tokens counted after the shift: one fewer per row than label entries when all are trainable
+    assert num_tokens == local == sum(sum(l != IGNORE for l in s["labels"][1:]) for s in samples)
+    assert abs(summed.item() / num_tokens - ref_loss) <= TOL * ref_loss
+    for name, p in model.named_parameters():
+        assert rel_diff(p.grad, ref_grads[name]) <= TOL, name
+
+
+def test_count_is_after_shift():
+    """A row whose only trainable label is the first token has nothing to predict."""
+    # labels[0] is trainable but no position predicts it; labels[1:] are masked.
+    micro = [{"tokens": torch.tensor([[5, 6, 7]]), "labels": torch.tensor([[5, IGNORE, IGNORE]])},
+             collate(text_samples([6]))]
+    model = tiny_model()
+    loss_fn = SummedCrossEntropyLoss(num_output_chunks=1, ignore_index=IGNORE)
+    _, num_tokens, _ = forward_backward(model, loss_fn, micro, device=CPU)
+    assert num_tokens == 5  # 0 from the first row, 6 - 1 from the second
+
+
+class ConstantLossModel(torch.nn.Module):
+    """Each token id yields logits whose CE against label 0 is a chosen constant.
+
+    With a vocabulary of two, CE(label 0) = log(1 + exp(-z)) where z is the
+    logit gap; solving gives z = -log(exp(c) - 1).
+    """
+
+    def __init__(self, per_token_loss):
+        super().__init__()
+        rows = [[-math.log(math.expm1(c)), 0.0] for c in per_token_loss]
+        self.table = torch.nn.Parameter(torch.tensor(rows, dtype=torch.float64))
+
+    def forward(self, tokens, **_):
+        return self.table[tokens].float()
+
+
+def sample(token_id, n_trainable):
+    # n_trainable predictions need n_trainable + 1 positions; label 0 everywhere
+    return {"tokens": [token_id] * (n_trainable + 1), "labels": [0] * (n_trainable + 1)}
+
+
+@pytest.mark.parametrize("batch_size,grad_accum", [(2, 1), (1, 2)])
+@pytest.mark.parametrize("once", [True, False])
+def test_worked_example(batch_size, grad_accum, once):
+    """10 tokens at 0.1 and 100 tokens at 0.9 give (0.1*10 + 0.9*100)/110 = 0.82727."""
+    model = ConstantLossModel([0.1, 0.9])
+    samples = [sample(0, 10), sample(1, 100)]
+    (w,) = windows(samples, batch_size, grad_accum)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    result = train_step(model, opt, SummedCrossEntropyLoss(1, IGNORE), w, device=CPU, backward_once_per_step=once)
+    assert result.num_tokens == 110
+    assert result.loss == pytest.approx((0.1 * 10 + 0.9 * 100) / 110, rel=1e-6)
+    assert result.loss == pytest.approx(0.82727, abs=1e-5)
+    # the mean of per-sample means would be 0.5: far from the exact value
+    assert abs(result.loss - 0.5) > 0.3
+
+
+def test_empty_micro_batch_adds_nothing():
+    """A micro-batch with no trainable token changes neither loss nor gradient, no NaN."""
+    samples = text_samples([8, 12])
+    empty = {"tokens": torch.tensor([[4, 5, 6, 7]]), "labels": torch.full((1, 4), IGNORE)}
+    single = {"tokens": torch.tensor([[9]]), "labels": torch.tensor([[9]])}  # one token: nothing to predict
+    base = tiny_model()
+    h1, p1 = run_steps(clone(base), [[collate(samples)]], once=True)
+    for once in (True, False):
+        h2, p2 = run_steps(clone(base), [[empty, collate(samples), single]], once=once)
+        assert math.isfinite(h2[0][0]) and h2[0][2] == h1[0][2]
+        assert abs(h2[0][0] - h1[0][0]) <= TOL * h1[0][0]
+        for k in p1:
+            assert rel_diff(p2[k], p1[k]) <= TOL
+
+
+def test_empty_step_is_skipped():
+    model = tiny_model()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1.0)
+    empty = {"tokens": torch.tensor([[4, 5, 6]]), "labels": torch.full((1, 3), IGNORE)}
+    r = train_step(model, opt, SummedCrossEntropyLoss(1, IGNORE), [empty, empty], device=CPU, step=7)
+    assert r.skipped == "empty" and r.loss is None and r.num_tokens == 0
+    assert not opt.state  # no optimizer step taken
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]) and p.grad is None
+
+
+def test_nonfinite_raises_or_skips():
+    model = tiny_model()
+    with torch.no_grad():
+        model.tok_embeddings.weight[3] = float("nan")
+    micro = [{"tokens": torch.tensor([[3, 4, 5]]), "labels": torch.tensor([[3, 4, 5]])}]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss_fn = SummedCrossEntropyLoss(1, IGNORE)
+    with pytest.raises(NonFiniteError, match="step 12"):
+        train_step(model, opt, loss_fn, micro, device=CPU, step=12)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    r = train_step(model, opt, loss_fn, micro, device=CPU, skip_nonfinite_steps=True)
+    assert r.skipped == "non-finite"
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]) or torch.isnan(before[n]).any()
+
+
+def test_grad_norm_is_before_clipping():
+    p = torch.nn.Parameter(torch.zeros(4))
+    p.grad = torch.tensor([3.0, 0.0, 4.0, 0.0])
+    assert grad_norm_and_clip([p], max_norm=1.0).item() == pytest.approx(5.0)
+    assert p.grad.norm().item() == pytest.approx(1.0, rel=1e-5)
+    p.grad = torch.tensor([3.0, 0.0, 4.0, 0.0])
+    assert grad_norm_and_clip([p], max_norm=None).item() == pytest.approx(5.0)
+    assert p.grad.norm().item() == pytest.approx(5.0)
+
+
+def test_windows_do_not_cross_epochs():
+    batches = list(range(7))
+    assert list(micro_batch_windows(batches, 4)) == [[0, 1, 2, 3], [4, 5, 6]]
+    assert list(micro_batch_windows(batches, 4, max_steps=1)) == [[0, 1, 2, 3]]
+    assert list(micro_batch_windows(batches, 1, max_steps=3)) == [[0], [1], [2]]
+    assert steps_per_epoch(7, 4) == 2 and steps_per_epoch(8, 4) == 2 and steps_per_epoch(7, 4, 1) == 1
+    with pytest.raises(ValueError):
+        list(micro_batch_windows(batches, 0))

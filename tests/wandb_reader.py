@@ -1,0 +1,70 @@
+"""Read back what a W&B offline run recorded, from its ``run-*.wandb`` file.
+
+wandb stores an offline run as a LevelDB-style log: a 7-byte header
+(``:W&B``, a 2-byte magic, a version byte), then 32 KiB blocks of records,
+each with a 7-byte header (crc32, length, type: 1 full, 2 first, 3 middle,
+4 last). Each complete record is a ``wandb_internal.Record`` protobuf.
+Newer wandb releases dropped their Python reader, so tests parse it here.
+"""
+
+import glob
+import json
+import os
+import struct
+from typing import Dict, List
+
+from wandb.proto import wandb_internal_pb2 as pb
+
+_BLOCK = 32 * 1024
+_HEADER = 7
+
+
+def _records(data: bytes):
+    pos, pending = _HEADER, b""
+    while pos + 7 <= len(data):
+        room = _BLOCK - pos % _BLOCK
+        if room < 7:
+            pos += room
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        pos += 7
+        if kind == 0 and length == 0:
+            pos += room - 7
+            continue
+        chunk = data[pos:pos + length]
+        pos += length
+        if kind == 1:
+            yield chunk
+        elif kind == 2:
+            pending = chunk
+        elif kind == 3:
+            pending += chunk
+        elif kind == 4:
+            yield pending + chunk
+
+
+def read_offline_run(wandb_dir: str) -> Dict[str, object]:
+    """History rows and config of the single offline run under ``wandb_dir``.
+
+    Returns:
+        {"history": [dict per logged row], "config": {key: value}}
+    """
+    files = glob.glob(os.path.join(wandb_dir, "**", "offline-run-*", "run-*.wandb"), recursive=True)
+    assert len(files) == 1, f"expected one offline run under {wandb_dir}, found {files}"
+    history: List[dict] = []
+    config: Dict[str, object] = {}
+    with open(files[0], "rb") as f:
+        data = f.read()
+    for raw in _records(data):
+        record = pb.Record()
+        record.ParseFromString(raw)
+        kind = record.WhichOneof("record_type")
+        if kind == "history":
+            history.append({
+                item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                for item in record.history.item
+            })
+        elif kind == "config":
+            for item in record.config.update:
+                config[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
+    return {"history": history, "config": config}

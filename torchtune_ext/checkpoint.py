@@ -1,0 +1,234 @@
+"""Atomic, resumable checkpoints: ``<output_dir>/step_<N>/``.
+
+A checkpoint folder holds the model in the same format as the base checkpoint
+(written by the configured torchtune checkpointer: HF safetensors plus the
+base folder's config and tokenizer files; for LoRA the adapter, and the merged
+model unless turned off), ``recipe_state.pt`` (optimizer, LR scheduler, RNG
+states, step counters, data position) and ``checkpoint.json``, a manifest of
+every file with its size.
+
+Writes are atomic: the torchtune checkpointer writes into
+``<output_dir>/.staging/``; the manifest is written last; then the folder is
+renamed to ``step_<N>``. A crash mid-save leaves only the staging folder,
+which the next save clears, and the previous checkpoints intact. Old
+checkpoints are pruned (``keep_last_n_checkpoints``) only after the new one
+is complete. Only ``step_<N>`` folders with a valid manifest are ever resumed
+from.
+"""
+
+import json
+import os
+import random
+import re
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+from torchtune import config as tt_config
+
+from torchtune_ext.config import ConfigError
+
+MANIFEST = "checkpoint.json"
+RECIPE_STATE = "recipe_state.pt"
+STAGING = ".staging"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+@dataclass
+class Progress:
+    """Where training stands, saved with every checkpoint.
+
+    Attributes:
+        step (int): optimizer steps completed (global, 1-based count).
+        epoch (int): current epoch, 0-based.
+        steps_in_epoch (int): optimizer steps completed within ``epoch``; the
+            data position is this many windows of micro-batches into the
+            epoch's sampler order.
+        skipped_steps (int): optimizer steps skipped so far (empty/non-finite).
+        seed (int): the run's seed (sampler order depends on it).
+    """
+
+    step: int = 0
+    epoch: int = 0
+    steps_in_epoch: int = 0
+    skipped_steps: int = 0
+    seed: int = 0
+
+
+def rng_state() -> Dict[str, Any]:
+    """RNG states of Python, NumPy, torch CPU and (if present) CUDA."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Dict[str, Any]) -> None:
+    """Restore what :func:`rng_state` captured."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def list_checkpoints(output_dir: str) -> List[Path]:
+    """Complete checkpoint folders under ``output_dir``, oldest first."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        match = _STEP_DIR.match(child.name)
+        if match and child.is_dir() and (child / MANIFEST).is_file():
+            found.append((int(match.group(1)), child))
+    return [path for _, path in sorted(found)]
+
+
+def verify_checkpoint(path: Path) -> Dict[str, Any]:
+    """Check a checkpoint folder against its manifest.
+
+    Returns:
+        dict: the manifest.
+
+    Raises:
+        ConfigError: (key ``resume_from_checkpoint``) if the manifest is
+            missing or unreadable, or a listed file is missing or has another size.
+    """
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError) as err:
+        raise ConfigError("resume_from_checkpoint", f"checkpoint '{path}' has no readable {MANIFEST}: {err}")
+    for name, size in manifest["files"].items():
+        file = path / name
+        if not file.is_file():
+            raise ConfigError("resume_from_checkpoint", f"checkpoint '{path}' is missing '{name}'")
+        if file.stat().st_size != size:
+            raise ConfigError(
+                "resume_from_checkpoint",
+                f"checkpoint '{path}': '{name}' has {file.stat().st_size} bytes, manifest says {size}",
+            )
+    return manifest
+
+
+def latest_checkpoint(output_dir: str) -> Optional[Path]:
+    """The newest complete checkpoint under ``output_dir``, or None."""
+    found = list_checkpoints(output_dir)
+    return found[-1] if found else None
+
+
+def _is_rank_zero() -> bool:
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+class CheckpointManager:
+    """Saves and finds atomic step checkpoints for one run.
+
+    Args:
+        cfg_checkpointer (DictConfig): the recipe's ``checkpointer`` config; it
+            is instantiated once here with its ``output_dir`` redirected to the
+            staging folder.
+        output_dir (str): the run's output folder.
+        keep_last_n (int, optional): keep this many newest checkpoints; None keeps all.
+    """
+
+    def __init__(self, cfg_checkpointer: DictConfig, output_dir: str, keep_last_n: Optional[int] = None):
+        self.output_dir = Path(output_dir)
+        self.staging = self.output_dir / STAGING
+        self.keep_last_n = keep_last_n
+        self._cfg = cfg_checkpointer
+        self._writer = None
+
+    def save(self, state_dict: Dict[str, Any], progress: Progress, recipe_state: Dict[str, Any],
+             adapter_only: bool = False) -> Path:
+        """Write ``step_<progress.step>`` atomically (rank 0 writes; all ranks wait).
+
+        Args:
+            state_dict: what the torchtune checkpointer saves: ``model`` (full
+                state dict on CPU; may be empty on ranks other than 0) and for
+                LoRA ``adapter`` and ``adapter_config``.
+            progress: step counters and data position.
+            recipe_state: optimizer / LR scheduler state dicts and anything
+                else the recipe needs to resume (saved with torch.save).
+            adapter_only: LoRA: save only the adapter (no merged model).
+
+        Returns:
+            Path of the new checkpoint folder.
+        """
+        final = self.output_dir / f"step_{progress.step}"
+        if (final / MANIFEST).is_file():
+            return final  # this step is saved already (end of epoch right after a periodic save)
+        if _is_rank_zero():
+            if self.staging.exists():
+                shutil.rmtree(self.staging)  # left by an interrupted save
+            if self._writer is None:
+                self._writer = tt_config.instantiate(self._cfg, output_dir=str(self.staging))
+            # torchtune's checkpointer names its folder after the epoch argument
+            self._writer.save_checkpoint(state_dict, epoch=progress.step, adapter_only=adapter_only)
+            written = self.staging / f"epoch_{progress.step}"
+            torch.save({"progress": asdict(progress), "rng": rng_state(), **recipe_state},
+                       written / RECIPE_STATE)
+            files = {p.relative_to(written).as_posix(): p.stat().st_size
+                     for p in sorted(written.rglob("*")) if p.is_file()}
+            _write_synced(written / MANIFEST, json.dumps({"step": progress.step, "files": files}, indent=1))
+            os.replace(written, final)
+            _fsync_dir(self.output_dir)
+            shutil.rmtree(self.staging, ignore_errors=True)
+            self._prune()
+        _barrier()
+        return final
+
+    def _prune(self) -> None:
+        if self.keep_last_n is None:
+            return
+        for old in list_checkpoints(str(self.output_dir))[: -self.keep_last_n]:
+            shutil.rmtree(old)
+
+    def resume_checkpointer(self, path: Path, **overrides: Any):
+        """A torchtune checkpointer that loads the model from checkpoint ``path``.
+
+        The checkpoint files are taken from the manifest (``*.safetensors``).
+        """
+        manifest = verify_checkpoint(path)
+        weights = sorted(n for n in manifest["files"] if n.endswith(".safetensors") and "adapter" not in n)
+        return tt_config.instantiate(
+            self._cfg, checkpoint_dir=str(path), checkpoint_files=weights,
+            output_dir=str(self.staging), **overrides,
+        )
+
+
+def load_recipe_state(path: Path) -> Dict[str, Any]:
+    """Load ``recipe_state.pt`` of a checkpoint and restore the RNG states.
+
+    Returns:
+        dict with ``progress`` (a :class:`Progress`) and the recipe's entries.
+    """
+    state = torch.load(path / RECIPE_STATE, map_location="cpu", weights_only=False)
+    set_rng_state(state.pop("rng"))
+    state["progress"] = Progress(**state["progress"])
+    return state
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

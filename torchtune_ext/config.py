@@ -1,0 +1,266 @@
+"""Recipe config schema: every default in one place, every error names its key.
+
+A recipe calls :func:`validate` on the parsed OmegaConf config before it
+builds anything. ``validate`` fills in defaults, checks types and ranges,
+checks that input files exist, and raises :class:`ConfigError` naming the
+offending key and what is expected. :func:`exit_on_user_error` turns such
+expected mistakes into one clear line on stderr and exit status 2, without a
+traceback and before anything is written.
+"""
+
+import difflib
+import functools
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterable, Optional, Tuple
+
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
+
+log = logging.getLogger(__name__)
+
+DOWNLOAD_COMMAND = "python -m torchtune_ext.download"
+
+
+class ConfigError(ValueError):
+    """A config value is missing, of the wrong type or out of range.
+
+    Args:
+        key (str): dotted config key, e.g. ``gradient_accumulation_steps``.
+        message (str): what is expected / how to fix it.
+    """
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        super().__init__(f"config key '{key}': {message}")
+
+
+@dataclass(frozen=True)
+class Key:
+    """One top-level config key: its default and the check it must pass."""
+
+    default: Any
+    check: Callable[[str, Any], None]
+    required: bool = False
+
+
+_NO_DEFAULT = object()
+
+
+def _positive_int(key: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(key, f"expected a positive integer, got {value!r}")
+
+
+def _optional_positive_int(key: str, value: Any) -> None:
+    if value is not None:
+        _positive_int(key, value)
+
+
+def _non_negative_int(key: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(key, f"expected an integer >= 0, got {value!r}")
+
+
+def _optional_int(key: str, value: Any) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ConfigError(key, f"expected an integer or null, got {value!r}")
+
+
+def _boolean(key: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(key, f"expected true or false, got {value!r}")
+
+
+def _optional_positive_float(key: str, value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ConfigError(key, f"expected a positive number or null, got {value!r}")
+
+
+def _string(key: str, value: Any) -> None:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(key, f"expected a non-empty string, got {value!r}")
+
+
+def _one_of(*choices: str) -> Callable[[str, Any], None]:
+    def check(key: str, value: Any) -> None:
+        if value not in choices:
+            raise ConfigError(key, f"expected one of {', '.join(choices)}, got {value!r}")
+
+    return check
+
+
+def _component(key: str, value: Any) -> None:
+    if not isinstance(value, (dict, DictConfig)) or "_component_" not in value:
+        raise ConfigError(key, "expected a mapping with a '_component_' entry")
+
+
+def _optional_component(key: str, value: Any) -> None:
+    if value is not None:
+        _component(key, value)
+
+
+def _dataset(key: str, value: Any) -> None:
+    if isinstance(value, (list, ListConfig)):
+        if not value:
+            raise ConfigError(key, "expected a dataset or a non-empty list of datasets")
+        for i, item in enumerate(value):
+            _component(f"{key}[{i}]", item)
+    else:
+        _component(key, value)
+
+
+# Keys every recipe understands, with their defaults. Recipe-specific keys are
+# passed to ``validate`` as ``extra_keys``.
+COMMON_KEYS: Dict[str, Key] = {
+    "output_dir": Key(_NO_DEFAULT, _string, required=True),
+    "model": Key(_NO_DEFAULT, _component, required=True),
+    "tokenizer": Key(_NO_DEFAULT, _component, required=True),
+    "dataset": Key(_NO_DEFAULT, _dataset, required=True),
+    "checkpointer": Key(_NO_DEFAULT, _component, required=True),
+    "optimizer": Key(_NO_DEFAULT, _component, required=True),
+    "lr_scheduler": Key(None, _optional_component),
+    "loss": Key(
+        {"_component_": "torchtune_ext.loss.SummedCrossEntropyLoss", "num_output_chunks": 8},
+        _component,
+    ),
+    "metric_logger": Key(None, _optional_component),
+    "seed": Key(None, _optional_int),
+    "shuffle": Key(True, _boolean),
+    "batch_size": Key(2, _positive_int),
+    "epochs": Key(1, _positive_int),
+    "max_steps_per_epoch": Key(None, _optional_positive_int),
+    "gradient_accumulation_steps": Key(1, _positive_int),
+    "backward_once_per_step": Key(True, _boolean),
+    "clip_grad_norm": Key(None, _optional_positive_float),
+    "dtype": Key("fp32", _one_of("fp32", "bf16")),
+    "device": Key("auto", _one_of("auto", "cpu", "cuda")),
+    "compile": Key(False, _boolean),
+    "enable_activation_checkpointing": Key(False, _boolean),
+    "resume_from_checkpoint": Key(False, _boolean),
+    "save_every_n_steps": Key(None, _optional_positive_int),
+    "keep_last_n_checkpoints": Key(None, _optional_positive_int),
+    "skip_nonfinite_steps": Key(False, _boolean),
+    "log_every_n_steps": Key(1, _positive_int),
+    "log_level": Key("INFO", _one_of("DEBUG", "INFO", "WARNING", "ERROR")),
+}
+
+
+def _closest(key: str, known: Iterable[str]) -> str:
+    match = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
+    return f" Did you mean '{match[0]}'?" if match else ""
+
+
+def _paths(value: Any) -> Tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, (list, ListConfig)):
+        return tuple(str(v) for v in value)
+    return (str(value),)
+
+
+def _missing_input(key: str, path: str) -> ConfigError:
+    hint = ""
+    norm = os.path.normpath(path)
+    if norm == "assets" or norm.startswith("assets" + os.sep):
+        hint = f" The bundled model and data are created by `{DOWNLOAD_COMMAND}` (run it from the repository root)."
+    return ConfigError(key, f"'{path}' does not exist.{hint}")
+
+
+def check_input_files(cfg: DictConfig) -> None:
+    """Check that the checkpoint, tokenizer and local dataset files exist.
+
+    Raises:
+        ConfigError: naming the key and the missing path, and the download
+            command when the path is one of the bundled assets.
+    """
+    ckpt = cfg.checkpointer
+    ckpt_dir = ckpt.get("checkpoint_dir")
+    if ckpt_dir is not None:
+        if not os.path.isdir(ckpt_dir):
+            raise _missing_input("checkpointer.checkpoint_dir", str(ckpt_dir))
+        files = ckpt.get("checkpoint_files")
+        if isinstance(files, (list, ListConfig)):
+            for name in files:
+                if not os.path.isfile(os.path.join(ckpt_dir, str(name))):
+                    raise _missing_input("checkpointer.checkpoint_files", os.path.join(ckpt_dir, str(name)))
+    for key in ("path", "tokenizer_json_path"):
+        if cfg.tokenizer.get(key) is not None and not os.path.exists(cfg.tokenizer[key]):
+            raise _missing_input(f"tokenizer.{key}", str(cfg.tokenizer[key]))
+    datasets = cfg.dataset if isinstance(cfg.dataset, (list, ListConfig)) else [cfg.dataset]
+    for i, ds in enumerate(datasets):
+        prefix = "dataset" if len(datasets) == 1 else f"dataset[{i}]"
+        for path in _paths(ds.get("data_files")):
+            if "://" not in path and not os.path.exists(path):
+                raise _missing_input(f"{prefix}.data_files", path)
+
+
+def check_output_dir(path: str) -> None:
+    """``output_dir`` must be a directory we can write to (created if absent).
+
+    Raises:
+        ConfigError: if it is a file, or not writable.
+    """
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError("output_dir", f"'{path}' exists and is not a directory")
+    probe = path
+    while not os.path.exists(probe):
+        parent = os.path.dirname(os.path.abspath(probe))
+        if parent == probe:
+            break
+        probe = parent
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError("output_dir", f"'{path}' is not writable (checked '{probe}')")
+
+
+def validate(cfg: DictConfig, extra_keys: Optional[Dict[str, Key]] = None) -> DictConfig:
+    """Fill defaults and check a recipe config before any work starts.
+
+    Args:
+        cfg (DictConfig): the parsed config (YAML plus command-line overrides).
+        extra_keys (dict, optional): recipe-specific keys beyond :data:`COMMON_KEYS`.
+
+    Returns:
+        DictConfig: a new config with every known key present.
+
+    Raises:
+        ConfigError: the first problem found, naming its key.
+    """
+    schema = {**COMMON_KEYS, **(extra_keys or {})}
+    cfg = cfg.copy()
+    for key in list(cfg.keys()):
+        if key not in schema:
+            log.warning("Unknown config key '%s' is ignored.%s", key, _closest(key, schema))
+    for key, spec in schema.items():
+        if key not in cfg:
+            if spec.required:
+                raise ConfigError(key, "is required but missing")
+            with open_dict(cfg):
+                cfg[key] = spec.default
+        spec.check(key, OmegaConf.to_object(cfg[key]) if OmegaConf.is_config(cfg[key]) else cfg[key])
+
+    if cfg.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("device", "cuda requested but no CUDA device is available; use device=cpu")
+    check_output_dir(cfg.output_dir)
+    check_input_files(cfg)
+    return cfg
+
+
+def exit_on_user_error(recipe_main: Callable[[DictConfig], Any]) -> Callable[[DictConfig], Any]:
+    """Print expected user errors as one line and exit 2, without a traceback."""
+
+    @functools.wraps(recipe_main)
+    def wrapper(cfg: DictConfig) -> Any:
+        try:
+            return recipe_main(cfg)
+        except ConfigError as err:
+            print(f"error: {err}", file=sys.stderr)
+            sys.exit(2)
+
+    return wrapper

@@ -1,0 +1,90 @@
+"""Dataset and DataLoader construction shared by the recipes."""
+
+import itertools
+from functools import partial
+from typing import Any, Tuple
+
+from omegaconf import ListConfig
+from torch.utils.data import ConcatDataset, DataLoader, DistributedSampler
+from torchtune import config as tt_config
+from torchtune.data import padded_collate_packed, padded_collate_sft
+
+from torchtune_ext.config import ConfigError
+
+
+class ResumableSampler(DistributedSampler):
+    """``DistributedSampler`` that can start an epoch part-way (for resume).
+
+    ``set_epoch(epoch, start)`` makes the next iteration skip the first
+    ``start`` indices of this rank's order for ``epoch`` without loading them.
+    """
+
+    _start = 0
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        super().set_epoch(epoch)
+        self._start = start
+
+    def __iter__(self):
+        return itertools.islice(super().__iter__(), self._start, None)
+
+    def __len__(self) -> int:
+        return max(super().__len__() - self._start, 0)
+
+
+def build_dataloader(
+    cfg_dataset: Any,
+    tokenizer: Any,
+    *,
+    batch_size: int,
+    shuffle: bool,
+    seed: int,
+    ignore_index: int,
+    dp_rank: int = 0,
+    dp_world_size: int = 1,
+) -> Tuple[DataLoader, ResumableSampler]:
+    """Build the micro-batch DataLoader and its sampler.
+
+    Every sample is used (``drop_last=False``): a short last micro-batch is
+    fine because the loss is normalized by tokens, not by batch size. The
+    sampler is a ``DistributedSampler`` even on one rank, so a run with
+    ``dp_world_size`` ranks and one with a single rank draw the same
+    permutation for the same ``seed`` and epoch (call ``sampler.set_epoch``).
+
+    Args:
+        cfg_dataset: a dataset config (``_component_`` plus arguments, e.g.
+            ``packed: true``) or a list of them, concatenated.
+        tokenizer: the model tokenizer passed to the dataset builders; its
+            ``pad_id`` pads the tokens of unpacked batches.
+        batch_size (int): samples per micro-batch on this rank.
+        ignore_index (int): label padding value (the loss's ignore_index).
+
+    Returns:
+        (DataLoader, ResumableSampler)
+
+    Raises:
+        ConfigError: if the dataset yields no sample, or packed and unpacked
+            datasets are mixed.
+    """
+    cfgs = list(cfg_dataset) if isinstance(cfg_dataset, (list, ListConfig)) else [cfg_dataset]
+    packed = {bool(c.get("packed", False)) for c in cfgs}
+    if len(packed) > 1:
+        raise ConfigError("dataset", "packed and unpacked datasets cannot be mixed")
+    datasets = [tt_config.instantiate(c, tokenizer) for c in cfgs]
+    dataset = datasets[0] if len(datasets) == 1 else ConcatDataset(datasets)
+    if len(dataset) == 0:
+        raise ConfigError("dataset", "the dataset yields zero samples")
+
+    collate = (
+        padded_collate_packed
+        if packed.pop()
+        else partial(padded_collate_sft, padding_idx=tokenizer.pad_id, ignore_idx=ignore_index)
+    )
+    sampler = ResumableSampler(
+        dataset, num_replicas=dp_world_size, rank=dp_rank, shuffle=shuffle, seed=seed, drop_last=False
+    )
+    loader = DataLoader(
+        dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate, drop_last=False
+    )
+    return loader, sampler
+

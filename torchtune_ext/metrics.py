@@ -1,0 +1,193 @@
+"""Per-step metrics: timing, throughput, peak memory, and a rank-aware logger.
+
+Every optimizer step produces one record with the same keys in every recipe
+(see :func:`step_record`). It goes to ``<output_dir>/logs/metrics.jsonl`` (one
+JSON object per line, appended, so a resumed run continues the same file) and
+to the configured torchtune metric logger (W&B by default). Only rank 0
+writes; other ranks hold a logger that does nothing, so the training loop has
+no rank branches.
+"""
+
+import json
+import os
+import resource
+import time
+from pathlib import Path
+from typing import Any, Dict, Mapping, Optional
+
+import torch
+from omegaconf import DictConfig
+
+from torchtune_ext.step import StepResult
+
+GIB = 1024**3
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak-memory window (CUDA allocator peak, or Linux VmHWM)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        # Writing 5 to clear_refs resets the process's peak RSS (VmHWM) on Linux.
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass  # not Linux, or not permitted: the peak becomes the lifetime peak
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak memory since the last :func:`reset_peak_memory`, in GiB.
+
+    CUDA: ``torch.cuda.max_memory_allocated`` (tensors only, not the caching
+    allocator's reserve). CPU: the process's peak resident set size (VmHWM
+    from ``/proc/self/status``; ``getrusage`` lifetime peak where that is
+    unavailable).
+    """
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / GIB
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024 / GIB
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
+
+
+class StepTimer:
+    """Wall time of one optimizer step, synchronising CUDA so it is real."""
+
+    def __init__(self, device: torch.device):
+        self._device = device
+        self._start = 0.0
+
+    def _sync(self) -> None:
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+
+    def start(self) -> None:
+        self._sync()
+        self._start = time.perf_counter()
+
+    def stop(self) -> float:
+        """Seconds since :meth:`start`."""
+        self._sync()
+        return time.perf_counter() - self._start
+
+
+def step_record(
+    result: StepResult,
+    *,
+    step: int,
+    epoch: int,
+    lr: float,
+    step_seconds: float,
+    device: torch.device,
+    dp_world_size: int = 1,
+    skipped_steps: int = 0,
+) -> Dict[str, Any]:
+    """The metrics of one optimizer step, as logged by every recipe.
+
+    Keys: ``step`` (1-based optimizer step), ``epoch`` (0-based), ``loss``
+    (the optimized global step loss, nats per trainable token; absent for a
+    skipped step), ``lr``, ``grad_norm`` (global L2 norm before clipping;
+    absent for a skipped step), ``num_tokens`` (trainable label tokens after
+    the shift, all ranks: padding and masked prompts excluded),
+    ``tokens_per_second`` (num_tokens / step wall time), ``step_seconds``,
+    ``peak_memory_gib`` (see :func:`peak_memory_gib`), ``skipped_steps``
+    (cumulative), and with ``dp_world_size > 1`` also ``dp_world_size`` and
+    ``tokens_per_second_per_device``.
+    """
+    record: Dict[str, Any] = {"step": step, "epoch": epoch}
+    if result.skipped is None:
+        record["loss"] = result.loss
+        record["grad_norm"] = result.grad_norm
+    record.update(
+        lr=lr,
+        num_tokens=result.num_tokens,
+        tokens_per_second=result.num_tokens / step_seconds if step_seconds > 0 else 0.0,
+        step_seconds=step_seconds,
+        peak_memory_gib=peak_memory_gib(device),
+        skipped_steps=skipped_steps,
+    )
+    if dp_world_size > 1:
+        record["dp_world_size"] = dp_world_size
+        record["tokens_per_second_per_device"] = record["tokens_per_second"] / dp_world_size
+    return record
+
+
+class MetricLogger:
+    """Writes step records to JSONL and to a torchtune metric logger, on rank 0.
+
+    Args:
+        jsonl_path (Path): ``metrics.jsonl`` to append to (parents created).
+        backend: a torchtune ``MetricLoggerInterface`` instance, or None.
+        rank (int): this process's global rank; non-zero ranks write nothing.
+    """
+
+    def __init__(self, jsonl_path: Path, backend: Optional[Any] = None, rank: int = 0):
+        self._active = rank == 0
+        self._backend = backend if self._active else None
+        self._jsonl = None
+        if self._active:
+            jsonl_path.parent.mkdir(parents=True, exist_ok=True)
+            self._jsonl = open(jsonl_path, "a", buffering=1)
+
+    def log_config(self, cfg: DictConfig) -> None:
+        if self._backend is not None:
+            self._backend.log_config(cfg)
+
+    def log(self, record: Mapping[str, Any]) -> None:
+        """Append ``record`` (must hold ``step``) to the JSONL file and the backend."""
+        if not self._active:
+            return
+        self._jsonl.write(json.dumps(dict(record)) + "\n")
+        self._jsonl.flush()
+        os.fsync(self._jsonl.fileno())
+        if self._backend is not None:
+            payload = {k: v for k, v in record.items() if k != "step" and v is not None}
+            self._backend.log_dict(payload, step=record["step"])
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._backend is not None:
+            self._backend.close()
+            self._backend = None
+
+
+def build_metric_logger(cfg: DictConfig, rank: int) -> MetricLogger:
+    """Metric logger for a recipe config: ``cfg.metric_logger`` plus the JSONL file.
+
+    The JSONL file is ``<cfg.output_dir>/logs/metrics.jsonl``. The backend is
+    instantiated only on rank 0 (so only one W&B run exists per job); a null
+    ``metric_logger`` means JSONL only.
+    """
+    from torchtune import config as tt_config
+
+    backend = None
+    if rank == 0 and cfg.get("metric_logger") is not None:
+        backend = tt_config.instantiate(cfg.metric_logger)
+    return MetricLogger(Path(cfg.output_dir) / "logs" / "metrics.jsonl", backend, rank)
+
+
+def progress_description(record: Mapping[str, Any]) -> str:
+    """Short text for the progress bar: step, loss, tokens/sec."""
+    loss = record.get("loss")
+    loss_text = f"{loss:.4f}" if loss is not None else "skipped"
+    return f"step {record['step']} | loss {loss_text} | {record['tokens_per_second']:.0f} tok/s"
+
+
+__all__ = [
+    "MetricLogger",
+    "StepTimer",
+    "build_metric_logger",
+    "peak_memory_gib",
+    "progress_description",
+    "reset_peak_memory",
+    "step_record",
+]
+
