@@ -1,5 +1,31 @@
 import os
 import sys
+from pathlib import Path
+
+import pytest
 
 # tests import their shared helpers as a top-level module
 sys.path.insert(0, os.path.dirname(__file__))
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def smollm2_assets() -> Path:
+    """The repository's ``assets/`` folder; skips the test if the download has not been run."""
+    from torchtune_ext.assets import (
+        ALPACA_RELPATH,
+        SHAKESPEARE_RELPATH,
+        SMOLLM2_DIRNAME,
+        MissingAssetError,
+        require_assets,
+    )
+
+    root = REPO_ROOT / "assets"
+    try:
+        # The download command renames each asset into place only when complete.
+        require_assets([root / SMOLLM2_DIRNAME, root / ALPACA_RELPATH, root / SHAKESPEARE_RELPATH])
+    except MissingAssetError as err:
+        first_missing = str(err).splitlines()[1].strip()
+        pytest.skip(f"{first_missing} is missing; run `python -m torchtune_ext.download` in {REPO_ROOT}")
+    return root
