@@ -46,18 +46,17 @@ class FullFinetuneRecipeSingleDevice:
         cfg = self.cfg
         self._checkpoints = CheckpointManager(cfg.checkpointer, cfg.output_dir, cfg.keep_last_n_checkpoints)
         resume_from = latest_checkpoint(cfg.output_dir) if cfg.resume_from_checkpoint else None
+        checkpoint = self._checkpoints.load(resume_from)
+        resumed: Dict[str, Any] = {}
         if resume_from is not None:
-            checkpointer = self._checkpoints.resume_checkpointer(resume_from)
-            resumed: Dict[str, Any] = load_recipe_state(resume_from)
+            resumed = load_recipe_state(resume_from)
             self.progress = resumed["progress"]
             log.info(f"Resuming from {resume_from} (step {self.progress.step})")
-        else:
-            checkpointer, resumed = config.instantiate(cfg.checkpointer), {}
 
         self._metric_logger = build_metric_logger(cfg, rank=0)
         self._metric_logger.log_config(cfg)
         self._loss_fn = self._setup_loss(cfg.loss)
-        self._model = self._setup_model(cfg.model, checkpointer.load_checkpoint()[training.MODEL_KEY])
+        self._model = self._setup_model(cfg.model, checkpoint[training.MODEL_KEY])
         self._tokenizer = config.instantiate(cfg.tokenizer)
         self._optimizer = self._setup_optimizer(cfg.optimizer, resumed.get(training.OPT_KEY))
         self._dataloader, self._sampler = build_dataloader(

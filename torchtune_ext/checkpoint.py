@@ -147,7 +147,31 @@ class CheckpointManager:
         self.staging = self.output_dir / STAGING
         self.keep_last_n = keep_last_n
         self._cfg = cfg_checkpointer
-        self._writer = None
+        self._checkpointer = None
+
+    def load(self, resume_from: Optional[Path] = None) -> Dict[str, Any]:
+        """Load the model through the configured torchtune checkpointer.
+
+        Args:
+            resume_from: a checkpoint folder of this run; None loads the base
+                checkpoint named in the config.
+
+        Returns:
+            what ``checkpointer.load_checkpoint()`` returns (``model``, and
+            ``adapter`` for LoRA checkpointers given one).
+
+        The same checkpointer instance later writes the checkpoints (it needs
+        the base checkpoint's weight map), into the staging folder.
+        """
+        overrides: Dict[str, Any] = {"output_dir": str(self.staging)}
+        if resume_from is not None:
+            manifest = verify_checkpoint(resume_from)
+            overrides["checkpoint_dir"] = str(resume_from)
+            overrides["checkpoint_files"] = sorted(
+                n for n in manifest["files"] if n.endswith(".safetensors") and not n.startswith("adapter")
+            )
+        self._checkpointer = tt_config.instantiate(self._cfg, **overrides)
+        return self._checkpointer.load_checkpoint()
 
     def save(self, state_dict: Dict[str, Any], progress: Progress, recipe_state: Dict[str, Any],
              adapter_only: bool = False) -> Path:
@@ -171,10 +195,8 @@ class CheckpointManager:
         if _is_rank_zero():
             if self.staging.exists():
                 shutil.rmtree(self.staging)  # left by an interrupted save
-            if self._writer is None:
-                self._writer = tt_config.instantiate(self._cfg, output_dir=str(self.staging))
             # torchtune's checkpointer names its folder after the epoch argument
-            self._writer.save_checkpoint(state_dict, epoch=progress.step, adapter_only=adapter_only)
+            self._checkpointer.save_checkpoint(state_dict, epoch=progress.step, adapter_only=adapter_only)
             written = self.staging / f"epoch_{progress.step}"
             torch.save({"progress": asdict(progress), "rng": rng_state(), **recipe_state},
                        written / RECIPE_STATE)
@@ -193,18 +215,6 @@ class CheckpointManager:
             return
         for old in list_checkpoints(str(self.output_dir))[: -self.keep_last_n]:
             shutil.rmtree(old)
-
-    def resume_checkpointer(self, path: Path, **overrides: Any):
-        """A torchtune checkpointer that loads the model from checkpoint ``path``.
-
-        The checkpoint files are taken from the manifest (``*.safetensors``).
-        """
-        manifest = verify_checkpoint(path)
-        weights = sorted(n for n in manifest["files"] if n.endswith(".safetensors") and "adapter" not in n)
-        return tt_config.instantiate(
-            self._cfg, checkpoint_dir=str(path), checkpoint_files=weights,
-            output_dir=str(self.staging), **overrides,
-        )
 
 
 def load_recipe_state(path: Path) -> Dict[str, Any]:
