@@ -100,7 +100,7 @@ class FullFinetuneRecipeSingleDevice:
         return optimizer
 
     def _setup_lr_scheduler(self, cfg_lr_scheduler: Optional[DictConfig], state: Optional[dict]):
-        if cfg_lr_scheduler is None:
+        if recipe_config.enabled(cfg_lr_scheduler) is None:
             return None
         scheduler = config.instantiate(
             cfg_lr_scheduler, self._optimizer, num_training_steps=self.cfg.epochs * self._steps_per_epoch

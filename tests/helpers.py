@@ -65,3 +65,29 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
     scale = b.abs().max().item()
     return (a - b).abs().max().item() / scale if scale > 0 else (a - b).abs().max().item()
+
+
+REPO_ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+def run_tune(*args: str, timeout: int = 600, extra_env=None):
+    """Run ``tune run ...`` from the repository root, as a user types it.
+
+    PYTHONPATH points at this checkout so a worktree tests its own code.
+    Returns the CompletedProcess (text output, not raising on failure).
+    """
+    import os
+    import subprocess
+
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), WANDB_SILENT="true")
+    env.update(extra_env or {})
+    return subprocess.run(
+        ["tune", "run", *args], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def read_jsonl(path):
+    import json
+
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

@@ -92,3 +92,15 @@ def test_dtype_and_device_choices(cfg):
     cfg.dtype = "fp16"
     with pytest.raises(ConfigError, match="'dtype'.*fp32, bf16"):
         validate(cfg)
+
+
+def test_null_component_means_off(cfg):
+    cfg.metric_logger = {"_component_": None, "project": "p"}  # what `metric_logger=null` produces
+    cfg.lr_scheduler = None
+    out = validate(cfg)
+    from torchtune_ext.config import enabled
+
+    assert enabled(out.metric_logger) is None and enabled(out.lr_scheduler) is None
+    cfg.model = {"_component_": None}
+    with pytest.raises(ConfigError, match="'model'"):
+        validate(cfg)

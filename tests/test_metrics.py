@@ -6,7 +6,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from torchtune_ext.metrics import MetricLogger, build_metric_logger, peak_memory_gib, step_record
+from torchtune_ext.metrics import MetricLogger, build_metric_logger, peak_memory_gib, reset_peak_memory, step_record
 from torchtune_ext.step import StepResult
 from wandb_reader import read_offline_run
 
@@ -28,6 +28,7 @@ def test_skipped_step_logs_no_loss():
 
 
 def test_peak_memory_tracks_allocation():
+    reset_peak_memory(CPU)
     before = peak_memory_gib(CPU)
     block = torch.ones(256 * 1024 * 1024 // 4)  # 256 MiB, touched
     after = peak_memory_gib(CPU)

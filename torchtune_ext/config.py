@@ -94,13 +94,24 @@ def _one_of(*choices: str) -> Callable[[str, Any], None]:
 
 
 def _component(key: str, value: Any) -> None:
-    if not isinstance(value, (dict, DictConfig)) or "_component_" not in value:
-        raise ConfigError(key, "expected a mapping with a '_component_' entry")
+    if not isinstance(value, (dict, DictConfig)) or not isinstance(value.get("_component_"), str):
+        raise ConfigError(key, "expected a mapping with a '_component_' entry naming a class or function")
 
 
 def _optional_component(key: str, value: Any) -> None:
-    if value is not None:
+    if enabled(value) is not None:
         _component(key, value)
+
+
+def enabled(node: Any) -> Any:
+    """``node`` itself, or None if it is null or its ``_component_`` is null.
+
+    ``tune run ... metric_logger=null`` sets ``metric_logger._component_`` to
+    null (torchtune's shorthand for the component), which means "off".
+    """
+    if node is None or (isinstance(node, (dict, DictConfig)) and node.get("_component_") is None):
+        return None
+    return node
 
 
 def _dataset(key: str, value: Any) -> None:

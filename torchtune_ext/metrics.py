@@ -17,7 +17,9 @@ from typing import Any, Dict, Mapping, Optional
 
 import torch
 from omegaconf import DictConfig
+from torchtune import config as tt_config
 
+from torchtune_ext.config import enabled
 from torchtune_ext.step import StepResult
 
 GIB = 1024**3
@@ -166,10 +168,8 @@ def build_metric_logger(cfg: DictConfig, rank: int) -> MetricLogger:
     instantiated only on rank 0 (so only one W&B run exists per job); a null
     ``metric_logger`` means JSONL only.
     """
-    from torchtune import config as tt_config
-
     backend = None
-    if rank == 0 and cfg.get("metric_logger") is not None:
+    if rank == 0 and enabled(cfg.get("metric_logger")) is not None:
         backend = tt_config.instantiate(cfg.metric_logger)
     return MetricLogger(Path(cfg.output_dir) / "logs" / "metrics.jsonl", backend, rank)
 
