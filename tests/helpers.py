@@ -91,3 +91,47 @@ def read_jsonl(path):
 
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def synthetic_sft_dataset(tokenizer=None, num_samples: int = 12, seed: int = 3):
+    """A list dataset of instruct samples with varied prompt and answer lengths.
+
+    Usable as a config ``_component_`` (``helpers.synthetic_sft_dataset``):
+    torchtune passes the tokenizer first, which is not needed here.
+    """
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(0, 12, (num_samples,), generator=g).tolist()
+    answers = torch.randint(1, 20, (num_samples,), generator=g).tolist()
+    return instruct_samples(prompts, answers, seed=seed)
+
+
+TINY_HF_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "hidden_act": "silu", "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "rope_scaling": None,
+    "max_position_embeddings": 2048, "vocab_size": 49152, "tie_word_embeddings": True,
+    "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2,
+}
+
+
+def write_tiny_hf_checkpoint(folder, seed: int = 0):
+    """A random ``torchtune_ext.models.tiny_llama()`` saved as an HF checkpoint folder.
+
+    Loads with ``FullModelHFCheckpointer(model_type="LLAMA3_2")`` exactly like
+    the SmolLM2 checkpoint and takes the real SmolLM2 tokenizer (same
+    vocabulary), so recipe tests run the real code path in seconds.
+    """
+    import json
+    import pathlib
+
+    from safetensors.torch import save_file
+    from torchtune.models.convert_weights import tune_to_hf
+
+    from torchtune_ext.models import tiny_llama
+
+    folder = pathlib.Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    hf = tune_to_hf(tiny_llama().state_dict(), num_heads=4, num_kv_heads=2, dim=64)
+    save_file({k: v.contiguous() for k, v in hf.items()}, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(TINY_HF_CONFIG, indent=1))

@@ -160,6 +160,14 @@ COMMON_KEYS: Dict[str, Key] = {
 }
 
 
+# Keys of the distributed (FSDP2) recipes, on top of COMMON_KEYS.
+DISTRIBUTED_KEYS: Dict[str, Key] = {
+    # FSDP2 CPUOffloadPolicy: sharded parameters, gradients and optimizer
+    # state live in CPU memory; the optimizer step runs on CPU.
+    "fsdp_cpu_offload": Key(False, _boolean),
+}
+
+
 def _closest(key: str, known: Iterable[str]) -> str:
     match = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
     return f" Did you mean '{match[0]}'?" if match else ""

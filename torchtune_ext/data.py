@@ -2,10 +2,11 @@
 
 import itertools
 from functools import partial
-from typing import Any, Tuple
+from typing import Any, Dict, Tuple
 
+import torch
 from omegaconf import ListConfig
-from torch.utils.data import ConcatDataset, DataLoader, DistributedSampler
+from torch.utils.data import ConcatDataset, DataLoader, Dataset, DistributedSampler
 from torchtune import config as tt_config
 from torchtune.data import padded_collate_packed, padded_collate_sft
 
@@ -13,10 +14,22 @@ from torchtune_ext.config import ConfigError
 
 
 class ResumableSampler(DistributedSampler):
-    """``DistributedSampler`` that can start an epoch part-way (for resume).
+    """``DistributedSampler`` that can start an epoch part-way and never repeats a sample.
 
     ``set_epoch(epoch, start)`` makes the next iteration skip the first
     ``start`` indices of this rank's order for ``epoch`` without loading them.
+
+    When the dataset size is not a multiple of the number of ranks,
+    ``DistributedSampler`` (``drop_last=False``) tops the order up by repeating
+    its first samples, so every rank gets the same number of samples and
+    therefore of micro-batches (all ranks must run the same collectives).
+    Counting a repeated sample twice would make a multi-rank step differ from
+    the same step on one rank. This sampler keeps the top-up positions (so
+    the counts stay equal) but yields them as ``index + len(dataset)``, which
+    :class:`PaddingSamples` turns into a copy of the sample whose labels are
+    all ``ignore_index``: it runs forward and backward like any sample and
+    adds no token and no loss. With one rank nothing is topped up and the
+    order is exactly ``DistributedSampler``'s.
     """
 
     _start = 0
@@ -26,10 +39,48 @@ class ResumableSampler(DistributedSampler):
         self._start = start
 
     def __iter__(self):
-        return itertools.islice(super().__iter__(), self._start, None)
+        size = len(self.dataset)
+        # position in the topped-up global order of each index this rank gets
+        positions = range(self.rank, self.total_size, self.num_replicas)
+        order = (index + size if position >= size else index
+                 for position, index in zip(positions, super().__iter__()))
+        return itertools.islice(order, self._start, None)
 
     def __len__(self) -> int:
         return max(super().__len__() - self._start, 0)
+
+
+class PaddingSamples(Dataset):
+    """A dataset plus label-masked copies of its samples at ``len(dataset) + i``.
+
+    Index ``i < len(dataset)`` returns sample ``i`` unchanged; index
+    ``len(dataset) + i`` returns sample ``i`` with every label set to
+    ``ignore_index`` (a list or tensor of the same length), so it contributes
+    zero trainable tokens. ``len`` is the real sample count.
+
+    Args:
+        dataset: map-style dataset whose samples are dicts with ``labels``.
+        ignore_index (int): the loss's ignore index.
+    """
+
+    def __init__(self, dataset: Dataset, ignore_index: int):
+        self.dataset = dataset
+        self.ignore_index = ignore_index
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Dict[str, Any]:
+        size = len(self.dataset)
+        if index < size:
+            return self.dataset[index]
+        sample = dict(self.dataset[index - size])
+        labels = sample["labels"]
+        if isinstance(labels, torch.Tensor):
+            sample["labels"] = torch.full_like(labels, self.ignore_index)
+        else:
+            sample["labels"] = [self.ignore_index] * len(labels)
+        return sample
 
 
 def build_dataloader(
@@ -45,8 +96,10 @@ def build_dataloader(
 ) -> Tuple[DataLoader, ResumableSampler]:
     """Build the micro-batch DataLoader and its sampler.
 
-    Every sample is used (``drop_last=False``): a short last micro-batch is
-    fine because the loss is normalized by tokens, not by batch size. The
+    Every sample is used once (``drop_last=False``): a short last micro-batch
+    is fine because the loss is normalized by tokens, not by batch size. With
+    several ranks and a dataset size that does not divide evenly, some ranks
+    get label-masked top-up samples (see :class:`ResumableSampler`). The
     sampler is a ``DistributedSampler`` even on one rank, so a run with
     ``dp_world_size`` ranks and one with a single rank draw the same
     permutation for the same ``seed`` and epoch (call ``sampler.set_epoch``).
@@ -80,6 +133,7 @@ def build_dataloader(
         if packed.pop()
         else partial(padded_collate_sft, padding_idx=tokenizer.pad_id, ignore_idx=ignore_index)
     )
+    dataset = PaddingSamples(dataset, ignore_index)
     sampler = ResumableSampler(
         dataset, num_replicas=dp_world_size, rank=dp_rank, shuffle=shuffle, seed=seed, drop_last=False
     )

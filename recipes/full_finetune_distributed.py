@@ -1,0 +1,192 @@
+"""Full-parameter fine-tuning on many devices with FSDP2, exact across ranks.
+
+    tune run --nproc_per_node 2 recipes/full_finetune_distributed.py \\
+        --config configs/smollm2/135M_full.yaml [key=value ...]
+
+Every optimizer step is normalized by the number of trainable label tokens
+of the whole step: all its micro-batches on all data-parallel ranks (one
+all-reduce of the count per step, before any forward). ``batch_size`` is per
+rank, so the global batch is ranks x batch_size x gradient_accumulation_steps,
+and any split of it gives the same loss and gradients. The accounting lives
+in ``torchtune_ext.step``, the FSDP2 pieces in ``torchtune_ext.distributed``;
+this file builds and shards the model, runs the loop and saves checkpoints
+gathered to the single-device format.
+"""
+
+import sys
+from typing import Any, Dict, Optional
+
+import torch
+from omegaconf import DictConfig
+from torchtune import config, modules, training, utils
+from tqdm import tqdm
+
+from torchtune_ext import config as recipe_config
+from torchtune_ext import distributed
+from torchtune_ext.checkpoint import CheckpointManager, Progress, latest_checkpoint, load_recipe_state
+from torchtune_ext.data import build_dataloader
+from torchtune_ext.loss import SummedCrossEntropyLoss
+from torchtune_ext.metrics import StepTimer, build_metric_logger, progress_description, reset_peak_memory, step_record
+from torchtune_ext.step import NonFiniteError, micro_batch_windows, steps_per_epoch, train_step
+
+log = utils.get_logger("INFO")
+
+
+class FullFinetuneRecipeDistributed:
+    """Data-parallel (FSDP2) full fine-tuning; see the module docstring.
+
+    Args:
+        cfg (DictConfig): a config already checked by ``torchtune_ext.config.validate``.
+    """
+
+    def __init__(self, cfg: DictConfig) -> None:
+        self.cfg = cfg
+        self._device = utils.get_device(None if cfg.device == "auto" else cfg.device)
+        self._dtype = training.get_dtype(cfg.dtype, device=self._device)
+        self._rank, self._world_size = distributed.init_process_group(self._device, cfg.fsdp_cpu_offload)
+        self.progress = Progress(seed=training.set_seed(seed=cfg.seed))
+
+    # ------------------------------------------------------------------ setup
+    def setup(self) -> None:
+        cfg = self.cfg
+        resume_from = latest_checkpoint(cfg.output_dir) if cfg.resume_from_checkpoint else None
+        resumed: Dict[str, Any] = load_recipe_state(resume_from) if resume_from else {}
+        if resumed:
+            self.progress = resumed["progress"]
+            utils.log_rank_zero(log, f"Resuming from {resume_from} (step {self.progress.step})")
+
+        # Data first: a bad dataset fails before anything is loaded or written.
+        self._tokenizer = config.instantiate(cfg.tokenizer)
+        self._loss_fn = self._setup_loss(cfg.loss)
+        self._dataloader, self._sampler = build_dataloader(
+            cfg.dataset, self._tokenizer, batch_size=cfg.batch_size, shuffle=cfg.shuffle,
+            seed=self.progress.seed, ignore_index=self._loss_fn.ignore_index,
+            dp_rank=self._rank, dp_world_size=self._world_size,
+        )
+        self._steps_per_epoch = steps_per_epoch(
+            len(self._dataloader), cfg.gradient_accumulation_steps, cfg.max_steps_per_epoch
+        )
+
+        self._checkpoints = CheckpointManager(cfg.checkpointer, cfg.output_dir, cfg.keep_last_n_checkpoints)
+        checkpoint = self._checkpoints.load(resume_from)
+        self._model = self._setup_model(cfg.model, checkpoint[training.MODEL_KEY])
+        self._optimizer = config.instantiate(cfg.optimizer, self._model.parameters())
+        self._lr_scheduler = self._setup_lr_scheduler(cfg.lr_scheduler)
+        if resumed:
+            # after the scheduler exists: building it resets the optimizer's lr
+            distributed.load_full_optimizer_state_dict(
+                self._model, self._optimizer, resumed[training.OPT_KEY], self._device
+            )
+            if self._lr_scheduler is not None:
+                self._lr_scheduler.load_state_dict(resumed["lr_scheduler"])
+
+        self._metric_logger = build_metric_logger(cfg, rank=self._rank)
+        self._metric_logger.log_config(cfg)
+
+    def _setup_loss(self, cfg_loss: DictConfig) -> SummedCrossEntropyLoss:
+        loss_fn = config.instantiate(cfg_loss)
+        if not isinstance(loss_fn, SummedCrossEntropyLoss):
+            raise recipe_config.ConfigError(
+                "loss", "must be torchtune_ext.loss.SummedCrossEntropyLoss (sum-reduced); "
+                "a mean-reduced loss cannot be normalized exactly across micro-batches"
+            )
+        if self.cfg.compile:
+            loss_fn.compile_chunk()
+        return loss_fn
+
+    def _setup_model(self, cfg_model: DictConfig, state_dict: Dict[str, Any]) -> torch.nn.Module:
+        # Built on the meta device: no rank materializes the full model; each
+        # receives only its shard when the weights are loaded.
+        with training.set_default_dtype(self._dtype), torch.device("meta"):
+            model = config.instantiate(cfg_model)
+        if self.cfg.enable_activation_checkpointing:
+            training.set_activation_checkpointing(model, auto_wrap_policy={modules.TransformerSelfAttentionLayer})
+        if self.cfg.compile:
+            training.compile_model(model)
+        distributed.shard_model(model, self._device, cpu_offload=self.cfg.fsdp_cpu_offload)
+        distributed.load_full_model_state_dict(model, state_dict, self._device, cpu_offload=self.cfg.fsdp_cpu_offload)
+        training.validate_expected_param_dtype(model.named_parameters(), dtype=self._dtype)
+        model.set_num_output_chunks(self._loss_fn.num_output_chunks)
+        utils.log_rank_zero(log, f"Model: {sum(p.numel() for p in model.parameters()):,} parameters, "
+                                 f"{self._dtype} on {self._device}, FSDP2 over {self._world_size} ranks")
+        return model
+
+    def _setup_lr_scheduler(self, cfg_lr_scheduler: Optional[DictConfig]):
+        if recipe_config.enabled(cfg_lr_scheduler) is None:
+            return None
+        return config.instantiate(
+            cfg_lr_scheduler, self._optimizer, num_training_steps=self.cfg.epochs * self._steps_per_epoch
+        )
+
+    # ------------------------------------------------------------------ train
+    def train(self) -> None:
+        cfg, progress = self.cfg, self.progress
+        timer = StepTimer(self._device)
+        bar = tqdm(total=cfg.epochs * self._steps_per_epoch, initial=progress.step, dynamic_ncols=True,
+                   disable=self._rank != 0)
+        while progress.epoch < cfg.epochs:
+            done_in_epoch = progress.steps_in_epoch
+            self._sampler.set_epoch(progress.epoch, start=done_in_epoch * cfg.gradient_accumulation_steps * cfg.batch_size)
+            remaining = None if cfg.max_steps_per_epoch is None else cfg.max_steps_per_epoch - done_in_epoch
+            for micro_batches in micro_batch_windows(self._dataloader, cfg.gradient_accumulation_steps, remaining):
+                reset_peak_memory(self._device)
+                timer.start()
+                lr = training.get_lr(self._optimizer)
+                try:
+                    result = train_step(
+                        self._model, self._optimizer, self._loss_fn, micro_batches, device=self._device,
+                        backward_once_per_step=cfg.backward_once_per_step, clip_grad_norm=cfg.clip_grad_norm,
+                        skip_nonfinite_steps=cfg.skip_nonfinite_steps, step=progress.step + 1,
+                    )
+                except NonFiniteError as err:
+                    last = latest_checkpoint(cfg.output_dir)
+                    raise RuntimeError(
+                        f"{err}. Last good checkpoint: {last or 'none (only the base model)'}. Resume with "
+                        "resume_from_checkpoint=true, or set skip_nonfinite_steps=true to skip such steps."
+                    ) from err
+                if self._lr_scheduler is not None:
+                    self._lr_scheduler.step()
+                progress.step += 1
+                progress.steps_in_epoch += 1
+                progress.skipped_steps += result.skipped is not None
+                record = step_record(result, step=progress.step, epoch=progress.epoch, lr=lr,
+                                     step_seconds=timer.stop(), device=self._device,
+                                     dp_world_size=self._world_size, skipped_steps=progress.skipped_steps)
+                if progress.step % cfg.log_every_n_steps == 0:
+                    self._metric_logger.log(record)
+                bar.update(1)
+                bar.set_description(progress_description(record))
+                if cfg.save_every_n_steps and progress.step % cfg.save_every_n_steps == 0:
+                    self.save_checkpoint()
+            progress.epoch += 1
+            progress.steps_in_epoch = 0
+            self.save_checkpoint()
+        bar.close()
+
+    # ------------------------------------------------------------- checkpoint
+    def save_checkpoint(self) -> None:
+        # Every rank takes part in gathering; rank 0 receives the full state on CPU and writes.
+        model_state = distributed.gather_full_model_state_dict(self._model, self._device)
+        recipe_state = {training.OPT_KEY: distributed.gather_full_optimizer_state_dict(self._model, self._optimizer)}
+        if self._lr_scheduler is not None:
+            recipe_state["lr_scheduler"] = self._lr_scheduler.state_dict()
+        path = self._checkpoints.save({training.MODEL_KEY: model_state}, self.progress, recipe_state)
+        utils.log_rank_zero(log, f"Checkpoint saved: {path}")
+
+    def cleanup(self) -> None:
+        self._metric_logger.close()
+        distributed.destroy_process_group()
+
+
+@config.parse
+@recipe_config.exit_on_user_error
+def recipe_main(cfg: DictConfig) -> None:
+    cfg = recipe_config.validate(cfg, extra_keys=recipe_config.DISTRIBUTED_KEYS)
+    recipe = FullFinetuneRecipeDistributed(cfg)
+    recipe.setup()
+    recipe.train()
+    recipe.cleanup()
+
+
+if __name__ == "__main__":
+    sys.exit(recipe_main())

@@ -1,0 +1,111 @@
+"""torchrun worker for the data-parallel exactness tests (tests/test_distributed.py).
+
+    torchrun --nproc_per_node N tests/dist_worker.py OUT.pt CASES_JSON
+    python tests/dist_worker.py OUT.pt CASES_JSON      # one rank, no torchrun
+
+Each case trains a freshly initialised tiny Llama (same seed on every rank
+and in every case) for a few SGD steps, through the same pieces the
+distributed recipe uses: ``build_dataloader`` (sampler, top-up samples),
+``micro_batch_windows``, ``torchtune_ext.distributed.shard_model`` and
+``load_full_model_state_dict``, and ``train_step``. Rank 0 saves, per case,
+the per-step results, the full trained parameters and how many gradient
+reduce-scatters each step ran. All cases share one process group, so one
+launch serves many cases.
+
+A case is a dict with ``name``, ``batch_size``, ``grad_accum``, ``once``
+(backward_once_per_step), ``num_samples``, ``model`` ("full" or "lora") and
+optionally ``clip`` (max grad norm), ``max_steps`` and ``cpu_offload``.
+"""
+
+import json
+import sys
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from helpers import IGNORE, VOCAB
+from torchtune_ext import distributed
+from torchtune_ext.data import build_dataloader
+from torchtune_ext.loss import SummedCrossEntropyLoss
+from torchtune_ext.models import lora_tiny_llama, tiny_llama
+from torchtune_ext.step import micro_batch_windows, train_step
+
+CPU = torch.device("cpu")
+ARCH = dict(vocab_size=VOCAB, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=32,
+            intermediate_dim=64, max_seq_len=128)
+
+
+def build(kind: str) -> torch.nn.Module:
+    if kind == "full":
+        return tiny_llama(**ARCH)
+    return lora_tiny_llama(lora_attn_modules=["q_proj", "v_proj"], apply_lora_to_mlp=True,
+                           lora_rank=4, lora_alpha=8, **ARCH)
+
+
+def initial_state(kind: str) -> dict:
+    """Deterministic full weights; LoRA B is made nonzero so adapters matter from step 1."""
+    torch.manual_seed(0)
+    state = build(kind).state_dict()
+    g = torch.Generator().manual_seed(1)
+    for key in state:
+        if "lora_b" in key:
+            state[key] = torch.randn(state[key].shape, generator=g) * 0.1
+    return state
+
+
+def run_case(case: dict, rank: int, world_size: int) -> dict:
+    with torch.device("meta"):
+        model = build(case["model"])
+    offload = case.get("cpu_offload", False)
+    units = distributed.shard_model(model, CPU, cpu_offload=offload)
+    distributed.load_full_model_state_dict(model, initial_state(case["model"]), CPU, cpu_offload=offload)
+    if case["model"] == "lora":
+        from torchtune.modules.peft import get_adapter_params, set_trainable_params
+        set_trainable_params(model, get_adapter_params(model))
+    model.set_num_output_chunks(1)
+
+    reduce_scatters = [0]
+    for unit in units:
+        # FSDP2 calls this once per reduce-scatter of the unit's gradients.
+        unit.set_all_reduce_hook(lambda _output: reduce_scatters.__setitem__(0, reduce_scatters[0] + 1))
+
+    dataset = OmegaConf.create({"_component_": "helpers.synthetic_sft_dataset", "num_samples": case["num_samples"]})
+    loader, sampler = build_dataloader(dataset, SimpleNamespace(pad_id=0), batch_size=case["batch_size"],
+                                       shuffle=True, seed=5, ignore_index=IGNORE,
+                                       dp_rank=rank, dp_world_size=world_size)
+    sampler.set_epoch(0)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(params, lr=0.5)
+    loss_fn = SummedCrossEntropyLoss(num_output_chunks=1, ignore_index=IGNORE)
+    steps, scatters_per_step = [], []
+    for i, window in enumerate(micro_batch_windows(loader, case["grad_accum"], case.get("max_steps"))):
+        before = reduce_scatters[0]
+        r = train_step(model, optimizer, loss_fn, window, device=CPU, backward_once_per_step=case["once"],
+                       clip_grad_norm=case.get("clip"), step=i + 1)
+        steps.append({"loss": r.loss, "grad_norm": r.grad_norm, "num_tokens": r.num_tokens,
+                      "local_num_tokens": r.local_num_tokens, "micro_batches": len(window)})
+        scatters_per_step.append(reduce_scatters[0] - before)
+    full = distributed.gather_full_model_state_dict(model, CPU)
+    # FSDP2 has no public getter for the policy a unit was built with
+    policy = type(units[-1]._get_fsdp_state()._fsdp_param_groups[0].offload_policy).__name__
+    return {"steps": steps, "params": full, "reduce_scatters": scatters_per_step, "fsdp_units": len(units),
+            "world_size": world_size, "offload_policy": policy}
+
+
+def main(out_path: str, cases_json: str) -> None:
+    rank, world_size = distributed.init_process_group(CPU)
+    results = {case["name"]: run_case(case, rank, world_size) for case in json.loads(cases_json)}
+    # every rank reports its own view of the step losses: they must agree
+    views = [None] * world_size
+    dist.all_gather_object(views, {n: [s["loss"] for s in r["steps"]] for n, r in results.items()})
+    if rank == 0:
+        for name in results:
+            results[name]["losses_by_rank"] = [v[name] for v in views]
+        torch.save(results, out_path)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,149 @@
+"""What the distributed recipes share: process group, FSDP2 sharding, full state dicts.
+
+Sharding is data parallel only (one ``dp`` mesh dimension over all ranks).
+FSDP2 normally *averages* gradients over ranks; :func:`shard_model` makes it
+*sum* them instead, because :mod:`torchtune_ext.step` already divides each
+rank's local summed loss by the *global* token count of the step:
+
+    grad = d/dθ  Σ_ranks local_summed_loss_r / global_num_tokens
+         = Σ_ranks  grad_r
+
+so the summed gradient is exactly the gradient of the global step loss, and no
+gradient is rescaled after backward. The reduction stays a plain SUM (no
+``PREMUL_SUM``), which gloo supports, so the same code runs on CPU (gloo) and
+CUDA (nccl).
+
+Checkpoints are written in the single-device format: every rank takes part
+in gathering the full state dicts, rank 0 receives them (on CPU) and writes.
+"""
+
+import os
+from typing import Any, Dict, List, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
+from torchtune import training
+
+
+def init_process_group(device: torch.device, cpu_offload: bool = False) -> Tuple[int, int]:
+    """Join the job's process group: gloo on CPU, nccl on CUDA.
+
+    Under ``torchrun`` (``tune run --nproc_per_node N ...``) the rank, world
+    size and rendezvous come from the environment, so multi-node jobs only
+    need torchrun's own flags. Started without torchrun, the process forms a
+    group of one, so the distributed recipe also runs as a plain process.
+
+    Args:
+        device: this rank's device (``cuda:<LOCAL_RANK>`` or ``cpu``).
+        cpu_offload: FSDP CPU offload keeps sharded parameters and gradients on
+            CPU, so collectives on CPU tensors (grad norm) need gloo next to nccl.
+
+    Returns:
+        (rank, world_size) in the default group.
+    """
+    backend = training.get_distributed_backend(device.type, offload_ops_to_cpu=cpu_offload and device.type != "cpu")
+    if not dist.is_initialized():
+        if "RANK" in os.environ:
+            dist.init_process_group(backend)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _is_layer(name: str) -> bool:
+    """``layers.<i>`` at any depth: one FSDP unit per transformer block."""
+    parts = name.split(".")
+    return len(parts) >= 2 and parts[-2] == "layers" and parts[-1].isdigit()
+
+
+def shard_model(
+    model: nn.Module, device: torch.device, *, cpu_offload: bool = False, reshard_after_forward: bool = True
+) -> List[FSDPModule]:
+    """Shard ``model`` in place with FSDP2, summing (not averaging) gradients.
+
+    Each transformer block becomes its own FSDP unit (parameters all-gathered
+    just before it runs), then the root takes the rest (embeddings, final
+    norm; a tied output projection shares the embedding weight, so it stays
+    in the root unit with it). Works on a model on the meta device (load
+    weights afterwards with :func:`load_full_model_state_dict`) or on a
+    materialized one (its values are kept).
+
+    Apply activation checkpointing and ``torch.compile`` before this.
+
+    Args:
+        model: a torchtune ``TransformerDecoder`` (full or LoRA).
+        device: this rank's compute device; its type names the mesh.
+        cpu_offload: keep sharded parameters, gradients and optimizer state
+            on CPU (FSDP2 ``CPUOffloadPolicy``); the optimizer step runs on CPU.
+        reshard_after_forward: free gathered parameters after each block's
+            forward and gather again in backward (less memory, more traffic).
+
+    Returns:
+        The FSDP units, root last.
+
+    Raises:
+        ValueError: if the model has no ``layers.<i>`` submodule.
+    """
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
+    kwargs: Dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    if cpu_offload:
+        # Pinned host memory speeds host<->GPU copies; there is no GPU to pin for on CPU.
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    blocks = [m for n, m in model.named_modules() if _is_layer(n)]
+    if not blocks:
+        raise ValueError("shard_model: no 'layers.<i>' submodule found; is this a torchtune TransformerDecoder?")
+    units = [fully_shard(m, **kwargs) for m in blocks] + [fully_shard(model, **kwargs)]
+    for unit in units:
+        # The step loss is already divided by the global token count: sum over
+        # ranks, and keep the collective a plain SUM (gloo has no PREMUL_SUM).
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)
+    return units
+
+
+def load_full_model_state_dict(
+    model: nn.Module, full_state_dict: Dict[str, torch.Tensor], device: torch.device, *, cpu_offload: bool = False
+) -> None:
+    """Load an unsharded state dict (e.g. from the HF checkpointer) into a sharded model.
+
+    Every rank passes the full state dict (torchtune checkpointers load it on
+    every rank); rank 0's values are broadcast and each rank keeps its shard.
+    Non-persistent buffers (the RoPE cache) are rebuilt on ``device`` first,
+    since a model built on the meta device has none.
+
+    Raises:
+        RuntimeError: on missing or unexpected keys (strict), or if a
+            parameter or buffer is still on the meta device afterwards.
+    """
+    with device:
+        for module in model.modules():
+            if hasattr(module, "rope_init"):
+                module.rope_init()
+    training.load_from_full_model_state_dict(model, full_state_dict, device, strict=True, cpu_offload=cpu_offload)
+    training.validate_no_params_on_meta_device(model)
+
+
+def gather_full_model_state_dict(model: nn.Module, device: torch.device) -> Dict[str, torch.Tensor]:
+    """All ranks gather; rank 0 gets the full state dict on CPU, other ranks ``{}``."""
+    return training.gather_cpu_state_dict(model, is_rank_zero=dist.get_rank() == 0, device=device)
+
+
+def gather_full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+    """All ranks gather; rank 0 gets the unsharded optimizer state (keyed by parameter name), others ``{}``."""
+    return training.get_full_optimizer_state_dict(model, optimizer, is_rank_zero=dist.get_rank() == 0)
+
+
+def load_full_optimizer_state_dict(
+    model: nn.Module, optimizer: torch.optim.Optimizer, full_state_dict: Dict[str, Any], device: torch.device
+) -> None:
+    """Shard an optimizer state saved by :func:`gather_full_optimizer_state_dict` into ``optimizer``."""
+    training.load_from_full_optimizer_state_dict(model, optimizer, full_state_dict, device)
+
+
+def destroy_process_group() -> None:
+    """Leave the process group (after the last collective), if one was joined."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
