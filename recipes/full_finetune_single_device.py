@@ -19,7 +19,7 @@ from torchtune import config, modules, training, utils
 from tqdm import tqdm
 
 from torchtune_ext import config as recipe_config
-from torchtune_ext.checkpoint import CheckpointManager, Progress, latest_checkpoint, load_recipe_state
+from torchtune_ext.checkpoint import CheckpointManager, Progress, latest_checkpoint, load_recipe_state, set_rng_state
 from torchtune_ext.data import build_dataloader
 from torchtune_ext.loss import SummedCrossEntropyLoss
 from torchtune_ext.metrics import StepTimer, build_metric_logger, progress_description, reset_peak_memory, step_record
@@ -49,7 +49,7 @@ class FullFinetuneRecipeSingleDevice:
         checkpoint = self._checkpoints.load(resume_from)
         resumed: Dict[str, Any] = {}
         if resume_from is not None:
-            resumed = load_recipe_state(resume_from)
+            resumed = load_recipe_state(resume_from, restore_rng=False)
             self.progress = resumed["progress"]
             log.info(f"Resuming from {resume_from} (step {self.progress.step})")
 
@@ -67,6 +67,9 @@ class FullFinetuneRecipeSingleDevice:
             len(self._dataloader), cfg.gradient_accumulation_steps, cfg.max_steps_per_epoch
         )
         self._lr_scheduler = self._setup_lr_scheduler(cfg.lr_scheduler, resumed.get("lr_scheduler"))
+        if resumed:
+            # Last: building the model drew random numbers (weight init).
+            set_rng_state(resumed["rng"])
 
     def _setup_loss(self, cfg_loss: DictConfig) -> SummedCrossEntropyLoss:
         loss_fn = config.instantiate(cfg_loss)
@@ -107,6 +110,9 @@ class FullFinetuneRecipeSingleDevice:
         )
         if state is not None:
             scheduler.load_state_dict(state)
+            # Building the scheduler set the optimizer's lr to that of step 0.
+            for group, lr in zip(self._optimizer.param_groups, scheduler.get_last_lr()):
+                group["lr"] = lr
         return scheduler
 
     # ------------------------------------------------------------------ train
