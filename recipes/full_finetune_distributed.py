@@ -49,15 +49,21 @@ class FullFinetuneRecipeDistributed:
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
         cfg = self.cfg
+        self._checkpoints = CheckpointManager(cfg.checkpointer, cfg.output_dir, cfg.keep_last_n_checkpoints)
         resume_from = latest_checkpoint(cfg.output_dir) if cfg.resume_from_checkpoint else None
-        resumed: Dict[str, Any] = load_recipe_state(resume_from) if resume_from else {}
-        if resumed:
+        checkpoint = self._checkpoints.load(resume_from)
+        resumed: Dict[str, Any] = {}
+        if resume_from is not None:
+            resumed = load_recipe_state(resume_from, restore_rng=False)
             self.progress = resumed["progress"]
             utils.log_rank_zero(log, f"Resuming from {resume_from} (step {self.progress.step})")
 
-        # Data first: a bad dataset fails before anything is loaded or written.
-        self._tokenizer = config.instantiate(cfg.tokenizer)
+        self._metric_logger = build_metric_logger(cfg, rank=self._rank)
+        self._metric_logger.log_config(cfg)
         self._loss_fn = self._setup_loss(cfg.loss)
+        self._model = self._setup_model(cfg.model, checkpoint[training.MODEL_KEY])
+        self._tokenizer = config.instantiate(cfg.tokenizer)
+        self._optimizer = self._setup_optimizer(cfg.optimizer, resumed.get(training.OPT_KEY))
         self._dataloader, self._sampler = build_dataloader(
             cfg.dataset, self._tokenizer, batch_size=cfg.batch_size, shuffle=cfg.shuffle,
             seed=self.progress.seed, ignore_index=self._loss_fn.ignore_index,
@@ -66,22 +72,10 @@ class FullFinetuneRecipeDistributed:
         self._steps_per_epoch = steps_per_epoch(
             len(self._dataloader), cfg.gradient_accumulation_steps, cfg.max_steps_per_epoch
         )
-
-        self._checkpoints = CheckpointManager(cfg.checkpointer, cfg.output_dir, cfg.keep_last_n_checkpoints)
-        checkpoint = self._checkpoints.load(resume_from)
-        self._model = self._setup_model(cfg.model, checkpoint[training.MODEL_KEY])
-        self._optimizer = config.instantiate(cfg.optimizer, self._model.parameters())
-        self._lr_scheduler = self._setup_lr_scheduler(cfg.lr_scheduler)
+        self._lr_scheduler = self._setup_lr_scheduler(cfg.lr_scheduler, resumed.get("lr_scheduler"))
         if resumed:
-            # after the scheduler exists: building it resets the optimizer's lr
-            distributed.load_full_optimizer_state_dict(
-                self._model, self._optimizer, resumed[training.OPT_KEY], self._device
-            )
-            if self._lr_scheduler is not None:
-                self._lr_scheduler.load_state_dict(resumed["lr_scheduler"])
-
-        self._metric_logger = build_metric_logger(cfg, rank=self._rank)
-        self._metric_logger.log_config(cfg)
+            # Last: building the model drew random numbers (weight init).
+            distributed.set_rank_rng_state(resumed)
 
     def _setup_loss(self, cfg_loss: DictConfig) -> SummedCrossEntropyLoss:
         loss_fn = config.instantiate(cfg_loss)
@@ -111,12 +105,24 @@ class FullFinetuneRecipeDistributed:
                                  f"{self._dtype} on {self._device}, FSDP2 over {self._world_size} ranks")
         return model
 
-    def _setup_lr_scheduler(self, cfg_lr_scheduler: Optional[DictConfig]):
+    def _setup_optimizer(self, cfg_optimizer: DictConfig, state: Optional[dict]) -> torch.optim.Optimizer:
+        optimizer = config.instantiate(cfg_optimizer, self._model.parameters())
+        if state is not None:
+            distributed.load_full_optimizer_state_dict(self._model, optimizer, state, self._device)
+        return optimizer
+
+    def _setup_lr_scheduler(self, cfg_lr_scheduler: Optional[DictConfig], state: Optional[dict]):
         if recipe_config.enabled(cfg_lr_scheduler) is None:
             return None
-        return config.instantiate(
+        scheduler = config.instantiate(
             cfg_lr_scheduler, self._optimizer, num_training_steps=self.cfg.epochs * self._steps_per_epoch
         )
+        if state is not None:
+            scheduler.load_state_dict(state)
+            # Building the scheduler set the optimizer's lr to that of step 0.
+            for group, lr in zip(self._optimizer.param_groups, scheduler.get_last_lr()):
+                group["lr"] = lr
+        return scheduler
 
     # ------------------------------------------------------------------ train
     def train(self) -> None:
@@ -167,7 +173,8 @@ class FullFinetuneRecipeDistributed:
     def save_checkpoint(self) -> None:
         # Every rank takes part in gathering; rank 0 receives the full state on CPU and writes.
         model_state = distributed.gather_full_model_state_dict(self._model, self._device)
-        recipe_state = {training.OPT_KEY: distributed.gather_full_optimizer_state_dict(self._model, self._optimizer)}
+        recipe_state = {training.OPT_KEY: distributed.gather_full_optimizer_state_dict(self._model, self._optimizer),
+                        distributed.RNG_BY_RANK: distributed.gather_rng_states()}
         if self._lr_scheduler is not None:
             recipe_state["lr_scheduler"] = self._lr_scheduler.state_dict()
         path = self._checkpoints.save({training.MODEL_KEY: model_state}, self.progress, recipe_state)

@@ -24,6 +24,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
+from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
 from helpers import IGNORE, VOCAB
 from torchtune_ext import distributed
@@ -58,12 +59,11 @@ def initial_state(kind: str) -> dict:
 def run_case(case: dict, rank: int, world_size: int) -> dict:
     with torch.device("meta"):
         model = build(case["model"])
+    if case["model"] == "lora":
+        set_trainable_params(model, get_adapter_params(model))
     offload = case.get("cpu_offload", False)
     units = distributed.shard_model(model, CPU, cpu_offload=offload)
     distributed.load_full_model_state_dict(model, initial_state(case["model"]), CPU, cpu_offload=offload)
-    if case["model"] == "lora":
-        from torchtune.modules.peft import get_adapter_params, set_trainable_params
-        set_trainable_params(model, get_adapter_params(model))
     model.set_num_output_chunks(1)
 
     reduce_scatters = [0]

@@ -1,14 +1,16 @@
-"""End to end: `tune run --nproc_per_node 2` of the FSDP2 full-finetune recipe (gloo on CPU)."""
+"""End to end: the FSDP2 full-finetune recipe under `tune run --nproc_per_node 2` (gloo on CPU)."""
 
 import json
 import math
 import shutil
 
 import pytest
+from omegaconf import OmegaConf
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from helpers import read_jsonl, rel_diff, run_tune, write_tiny_hf_checkpoint
+from helpers import read_jsonl, recipe_class, rel_diff, run_recipe, run_tune, tiny_recipe_config, write_tiny_hf_checkpoint
+from torchtune_ext.config import DISTRIBUTED_KEYS, ConfigError, validate
 from wandb_reader import read_offline_run
 
 RECIPE = "recipes/full_finetune_distributed.py"
@@ -46,45 +48,46 @@ def test_real_checkpoint_two_steps(smollm2_assets, tmp_path):
         [(r["step"], r["tokens_per_second_per_device"]) for r in rows]
 
 
-def tiny_run(ckpt, out, nproc, batch_size, *extra):
-    """The shipped config on a random tiny model and the first 16 Alpaca samples."""
-    proc = run_tune(
-        "--nproc_per_node", str(nproc), RECIPE, "--config", CONFIG, f"output_dir={out}",
-        "model._component_=torchtune_ext.models.tiny_llama", f"checkpointer.checkpoint_dir={ckpt}",
-        f"dataset.data_files={ckpt / 'alpaca16.json'}",
-        "tokenizer.max_seq_len=128", "metric_logger=null", "epochs=2", "max_steps_per_epoch=2",
-        f"batch_size={batch_size}", "gradient_accumulation_steps=2", "optimizer.lr=1e-3", *extra,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return read_jsonl(out / "logs" / "metrics.jsonl")
+def tiny_config(assets, tmp_path, output_dir, *overrides):
+    """The shipped config on a random tiny model and the first 16 Alpaca samples (unvalidated)."""
+    checkpoint_dir = tmp_path / "base"
+    if not checkpoint_dir.exists():
+        write_tiny_hf_checkpoint(checkpoint_dir)
+        alpaca = json.loads((assets / "data" / "alpaca_en_demo.json").read_text())
+        (tmp_path / "alpaca16.json").write_text(json.dumps(alpaca[:16]))
+    return tiny_recipe_config(CONFIG, {"_component_": "torchtune_ext.models.tiny_llama"}, assets, checkpoint_dir,
+                              output_dir, f"dataset.data_files={tmp_path / 'alpaca16.json'}", *overrides)
 
 
 def test_resume_on_another_world_size(smollm2_assets, tmp_path):
-    """A 2-rank run's checkpoint resumes on 1 rank (same global batch) and continues identically."""
-    ckpt = tmp_path / "tiny"
-    write_tiny_hf_checkpoint(ckpt)
-    alpaca = json.loads((smollm2_assets / "data" / "alpaca_en_demo.json").read_text())
-    (ckpt / "alpaca16.json").write_text(json.dumps(alpaca[:16]))
-    straight = tiny_run(ckpt, tmp_path / "a", 2, 1)
-    assert [r["step"] for r in straight] == [1, 2, 3, 4]
-    # interrupted after epoch 0: only its checkpoint survives
-    shutil.copytree(tmp_path / "a" / "step_2", tmp_path / "b" / "step_2")
-    resumed = tiny_run(ckpt, tmp_path / "b", 1, 2, "resume_from_checkpoint=true")
-    assert [r["step"] for r in resumed] == [3, 4]
-    for got, ref in zip(resumed, straight[2:]):
-        assert got["num_tokens"] == ref["num_tokens"] and got["lr"] == pytest.approx(ref["lr"])
-        assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5)
-        assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
-    a, b = load_file(str(tmp_path / "a" / "step_4" / WEIGHTS)), load_file(str(tmp_path / "b" / "step_4" / WEIGHTS))
-    assert a.keys() == b.keys()
-    for key in a:
-        # AdamW's first steps move each weight by about +-lr, so compare on that scale
-        assert rel_diff(b[key], a[key]) <= 1e-4, key
+    """A 2-rank run saved mid-epoch resumes on 1 rank (same global batch) and continues as it would have."""
+    settings = ["max_steps_per_epoch=4", "save_every_n_steps=2", "gradient_accumulation_steps=2",
+                "lr_scheduler.num_warmup_steps=1", "optimizer.lr=1e-3"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    config = tmp_path / "straight.yaml"
+    OmegaConf.save(tiny_config(smollm2_assets, tmp_path, straight, *settings, "batch_size=1"), config)
+    proc = run_tune("--nproc_per_node", "2", RECIPE, "--config", str(config))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    shutil.copytree(straight / "step_2", resumed / "step_2")  # as if the run had stopped after step 2
+    cfg = tiny_config(smollm2_assets, tmp_path, resumed, *settings, "batch_size=2", "resume_from_checkpoint=true")
+    run_recipe(recipe_class(RECIPE, "FullFinetuneRecipeDistributed"), validate(cfg, extra_keys=DISTRIBUTED_KEYS))
+
+    expected = read_jsonl(straight / "logs" / "metrics.jsonl")
+    got = read_jsonl(resumed / "logs" / "metrics.jsonl")
+    assert [r["step"] for r in expected] == [1, 2, 3, 4] and [r["step"] for r in got] == [3, 4]
+    assert expected[2]["lr"] > 0  # warmup ended: a scheduler reset to step 0 would show here
+    for a, b in zip(got, expected[2:]):
+        assert a["num_tokens"] == b["num_tokens"] and a["lr"] == b["lr"]
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    final = load_file(straight / "step_4" / WEIGHTS)
+    for key, weight in load_file(resumed / "step_4" / WEIGHTS).items():
+        # AdamW's first steps move each weight by about +-lr: compare on that scale
+        assert rel_diff(weight, final[key]) <= 1e-4, key
 
 
-def test_bad_config_fails_before_any_work(tmp_path):
-    out = tmp_path / "run"
-    proc = run_tune(RECIPE, "--config", CONFIG, f"output_dir={out}", "fsdp_cpu_offload=sometimes")
-    assert proc.returncode == 2
-    assert "fsdp_cpu_offload" in proc.stderr and "Traceback" not in proc.stderr
-    assert not out.exists()
+def test_config_checks_the_distributed_keys(smollm2_assets, tmp_path):
+    cfg = tiny_config(smollm2_assets, tmp_path, tmp_path / "run", "fsdp_cpu_offload=sometimes")
+    with pytest.raises(ConfigError, match="'fsdp_cpu_offload'"):
+        validate(cfg, extra_keys=DISTRIBUTED_KEYS)
+    assert validate(OmegaConf.load(CONFIG), extra_keys=DISTRIBUTED_KEYS).fsdp_cpu_offload is False

@@ -18,7 +18,7 @@ in gathering the full state dicts, rank 0 receives them (on CPU) and writes.
 """
 
 import os
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,11 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 from torchtune import training
+
+from torchtune_ext.checkpoint import rng_state, set_rng_state
+
+# recipe_state entry: every rank's RNG states, in rank order
+RNG_BY_RANK = "rng_by_rank"
 
 
 def init_process_group(device: torch.device, cpu_offload: bool = False) -> Tuple[int, int]:
@@ -105,8 +110,13 @@ def shard_model(
 
 
 def load_full_model_state_dict(
-    model: nn.Module, full_state_dict: Dict[str, torch.Tensor], device: torch.device, *, cpu_offload: bool = False
-) -> None:
+    model: nn.Module,
+    full_state_dict: Dict[str, torch.Tensor],
+    device: torch.device,
+    *,
+    cpu_offload: bool = False,
+    strict: bool = True,
+) -> Any:
     """Load an unsharded state dict (e.g. from the HF checkpointer) into a sharded model.
 
     Every rank passes the full state dict (torchtune checkpointers load it on
@@ -114,16 +124,27 @@ def load_full_model_state_dict(
     Non-persistent buffers (the RoPE cache) are rebuilt on ``device`` first,
     since a model built on the meta device has none.
 
+    Args:
+        strict: False loads a subset (LoRA: base weights, then the adapter);
+            the caller checks the returned keys.
+
+    Returns:
+        ``(missing_keys, unexpected_keys)`` as ``nn.Module.load_state_dict``.
+
     Raises:
-        RuntimeError: on missing or unexpected keys (strict), or if a
-            parameter or buffer is still on the meta device afterwards.
+        RuntimeError: on missing or unexpected keys (strict), a shape
+            mismatch, or if a parameter or buffer is still on the meta device
+            afterwards.
     """
     with device:
         for module in model.modules():
             if hasattr(module, "rope_init"):
                 module.rope_init()
-    training.load_from_full_model_state_dict(model, full_state_dict, device, strict=True, cpu_offload=cpu_offload)
+    keys = training.load_from_full_model_state_dict(
+        model, full_state_dict, device, strict=strict, cpu_offload=cpu_offload
+    )
     training.validate_no_params_on_meta_device(model)
+    return keys
 
 
 def gather_full_model_state_dict(model: nn.Module, device: torch.device) -> Dict[str, torch.Tensor]:
@@ -141,6 +162,33 @@ def load_full_optimizer_state_dict(
 ) -> None:
     """Shard an optimizer state saved by :func:`gather_full_optimizer_state_dict` into ``optimizer``."""
     training.load_from_full_optimizer_state_dict(model, optimizer, full_state_dict, device)
+
+
+def gather_rng_states() -> Optional[List[Dict[str, Any]]]:
+    """Every rank's RNG states (:func:`torchtune_ext.checkpoint.rng_state`) in rank order, on rank 0.
+
+    Ranks draw different random numbers (torchtune seeds rank ``r`` with
+    ``seed + r``; dropout), so an exact resume needs each rank's own state,
+    not only rank 0's, which the checkpoint manager saves. Other ranks get None.
+    """
+    states = [None] * dist.get_world_size()
+    dist.all_gather_object(states, rng_state())
+    return states if dist.get_rank() == 0 else None
+
+
+def set_rank_rng_state(recipe_state: Dict[str, Any]) -> None:
+    """Restore this rank's RNG states from a loaded ``recipe_state``.
+
+    Uses this rank's entry of :data:`RNG_BY_RANK` when the checkpoint was
+    written by the same number of ranks; otherwise (another world size, or a
+    single-device checkpoint) rank 0's states, so the run continues, though
+    random draws such as dropout masks then differ from an uninterrupted run.
+    """
+    by_rank = recipe_state.get(RNG_BY_RANK)
+    if by_rank is not None and len(by_rank) == dist.get_world_size():
+        set_rng_state(by_rank[dist.get_rank()])
+    else:
+        set_rng_state(recipe_state["rng"])
 
 
 def destroy_process_group() -> None:
