@@ -9,7 +9,9 @@ from omegaconf import OmegaConf
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from helpers import read_jsonl, recipe_class, rel_diff, run_recipe, run_tune, tiny_recipe_config, write_tiny_hf_checkpoint
+from helpers import (
+    read_jsonl, recipe_class, rel_diff, run_recipe, run_tune, tiny_recipe_config, write_tiny_hf_checkpoint,
+)
 from torchtune_ext.config import DISTRIBUTED_KEYS, ConfigError, validate
 from wandb_reader import read_offline_run
 
