@@ -218,13 +218,18 @@ class CheckpointManager:
 
 
 def load_recipe_state(path: Path) -> Dict[str, Any]:
-    """Load ``recipe_state.pt`` of a checkpoint and restore the RNG states.
+    """Verify a checkpoint folder and load its ``recipe_state.pt``.
 
     Returns:
-        dict with ``progress`` (a :class:`Progress`) and the recipe's entries.
+        dict with ``progress`` (a :class:`Progress`), ``rng`` (pass it to
+        :func:`set_rng_state` once setup has finished consuming random
+        numbers) and the recipe's own entries.
+
+    Raises:
+        ConfigError: if the folder does not match its manifest.
     """
+    verify_checkpoint(path)
     state = torch.load(path / RECIPE_STATE, map_location="cpu", weights_only=False)
-    set_rng_state(state.pop("rng"))
     state["progress"] = Progress(**state["progress"])
     return state
 
@@ -242,3 +247,28 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def load_model_state(model: torch.nn.Module, state_dict: Dict[str, Any], source: str, strict: bool = True):
+    """``model.load_state_dict`` with a config error, not a traceback, on a misfit.
+
+    Args:
+        source: where the weights came from, for the message.
+        strict: as in ``load_state_dict``.
+
+    Returns:
+        what ``load_state_dict`` returns (missing and unexpected keys).
+
+    Raises:
+        ConfigError: (key ``checkpointer.checkpoint_dir``) if a shape or a key
+            of the checkpoint does not fit the model.
+    """
+    try:
+        return model.load_state_dict(state_dict, strict=strict)
+    except RuntimeError as err:
+        detail = "; ".join(line.strip() for line in str(err).splitlines()[1:4] if line.strip())
+        raise ConfigError(
+            "checkpointer.checkpoint_dir",
+            f"the checkpoint in '{source}' does not fit the configured model ({detail or err}). "
+            "Check that `model` matches the checkpoint's architecture.",
+        ) from err
