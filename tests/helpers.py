@@ -20,6 +20,32 @@ def tiny_model(seed: int = 0, vocab_size: int = VOCAB) -> torch.nn.Module:
     )
 
 
+def tiny_lora_model(seed: int = 0, vocab_size: int = VOCAB, lora_b_std: float = 0.03) -> torch.nn.Module:
+    """:func:`tiny_model` with LoRA (rank 4, alpha 8) on every attention and MLP projection.
+
+    Only the adapters are trainable. ``lora_b`` is drawn from N(0, lora_b_std^2)
+    instead of zeros: with B = 0 the gradient of A is zero, so a test comparing
+    gradients would check only half the adapter.
+    """
+    from torchtune.modules.peft import get_adapter_params, set_trainable_params
+
+    from torchtune_ext.models import lora_tiny_llama
+
+    torch.manual_seed(seed)
+    model = lora_tiny_llama(
+        ["q_proj", "k_proj", "v_proj", "output_proj"], apply_lora_to_mlp=True, lora_rank=4, lora_alpha=8,
+        vocab_size=vocab_size, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=32,
+        intermediate_dim=64, max_seq_len=128,
+    )
+    adapter = get_adapter_params(model)
+    set_trainable_params(model, adapter)
+    with torch.no_grad():
+        for name, param in adapter.items():
+            if "lora_b" in name:
+                param.normal_(std=lora_b_std)
+    return model
+
+
 def text_samples(lengths: Sequence[int], seed: int = 0) -> List[Dict[str, List[int]]]:
     """Text-completion samples: every label trainable."""
     g = torch.Generator().manual_seed(seed)
@@ -91,3 +117,75 @@ def read_jsonl(path):
 
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def write_tiny_hf_checkpoint(path, seed: int = 0) -> Dict[str, torch.Tensor]:
+    """Save a random ``torchtune_ext.models.tiny_llama()`` as an HF checkpoint folder.
+
+    The folder holds ``model.safetensors`` (HF key names, as
+    ``FullModelHFCheckpointer(model_type="LLAMA3_2")`` reads them) and a
+    ``config.json`` with the head counts the conversion needs. Its vocabulary
+    is SmolLM2's, so the real tokenizer and data work with it.
+
+    Returns:
+        the model's state dict in torchtune key names (what loading gives back).
+    """
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+    from torchtune.models import convert_weights
+
+    from torchtune_ext.models import tiny_llama
+
+    torch.manual_seed(seed)
+    state = tiny_llama().state_dict()  # 4 heads, 2 kv heads, width 64
+    hf = convert_weights.tune_to_hf(state, num_heads=4, num_kv_heads=2, dim=64, head_dim=16)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in hf.items()}, path / "model.safetensors")
+    (path / "config.json").write_text(json.dumps(
+        {"num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64, "head_dim": 16,
+         "tie_word_embeddings": True}))
+    return {k: v.clone() for k, v in state.items()}
+
+
+def recipe_class(relpath: str, name: str):
+    """Class ``name`` of the recipe file ``relpath`` (e.g. ``recipes/x.py``), imported by path."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(Path(relpath).stem, REPO_ROOT / relpath)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, name)
+
+
+def tiny_recipe_config(config: str, model: Dict, assets, checkpoint_dir, output_dir, *overrides: str):
+    """One of the shipped Alpaca configs, on a tiny checkpoint, for running in process.
+
+    ``model`` replaces the config's model (a tiny builder matching
+    :func:`write_tiny_hf_checkpoint`); sequences are cut to 128 tokens; only
+    ``metrics.jsonl`` is written. ``overrides`` are ``key=value`` strings as on
+    the ``tune run`` command line. The result is not yet validated.
+    """
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(REPO_ROOT / config)
+    cfg.model = dict(model)
+    cfg.checkpointer.checkpoint_dir = str(checkpoint_dir)
+    cfg.tokenizer.path = str(assets / "SmolLM2-135M-Instruct")
+    cfg.tokenizer.max_seq_len = 128
+    cfg.dataset.data_files = str(assets / "data" / "alpaca_en_demo.json")
+    cfg.output_dir = str(output_dir)
+    cfg.metric_logger = None
+    return OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
+
+
+def run_recipe(recipe_cls, cfg):
+    """setup, train, cleanup, as ``recipe_main`` does; returns the recipe object."""
+    recipe = recipe_cls(cfg)
+    recipe.setup()
+    recipe.train()
+    recipe.cleanup()
+    return recipe

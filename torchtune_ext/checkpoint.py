@@ -14,6 +14,11 @@ which the next save clears, and the previous checkpoints intact. Old
 checkpoints are pruned (``keep_last_n_checkpoints``) only after the new one
 is complete. Only ``step_<N>`` folders with a valid manifest are ever resumed
 from.
+
+Resuming a full fine-tune loads the model from the step folder. Resuming LoRA
+loads the base weights from the base checkpoint again and the adapter from
+the step folder's ``adapter_model.pt``: the merged model there already holds
+the adapter (and is absent with ``save_adapter_weights_only``).
 """
 
 import json
@@ -30,11 +35,15 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 from torchtune import config as tt_config
+from torchtune import training
 
 from torchtune_ext.config import ConfigError
 
 MANIFEST = "checkpoint.json"
 RECIPE_STATE = "recipe_state.pt"
+# The adapter in torchtune's key names, as torchtune's checkpointers write it
+# (beside it: adapter_model.safetensors in PEFT's names, adapter_config.json).
+ADAPTER_WEIGHTS = "adapter_model.pt"
 STAGING = ".staging"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -149,16 +158,25 @@ class CheckpointManager:
         self._cfg = cfg_checkpointer
         self._checkpointer = None
 
-    def load(self, resume_from: Optional[Path] = None) -> Dict[str, Any]:
+    def load(self, resume_from: Optional[Path] = None, adapter: bool = False) -> Dict[str, Any]:
         """Load the model through the configured torchtune checkpointer.
 
         Args:
             resume_from: a checkpoint folder of this run; None loads the base
                 checkpoint named in the config.
+            adapter: LoRA: the model always comes from the base checkpoint,
+                and with ``resume_from`` the adapter from that folder.
 
         Returns:
-            what ``checkpointer.load_checkpoint()`` returns (``model``, and
-            ``adapter`` for LoRA checkpointers given one).
+            what ``checkpointer.load_checkpoint()`` returns: ``model`` (key
+            ``training.MODEL_KEY``), and for ``adapter`` with ``resume_from``
+            also the adapter state dict in torchtune key names
+            (``training.ADAPTER_KEY``).
+
+        Raises:
+            ConfigError: (key ``resume_from_checkpoint``) if ``resume_from``
+                fails :func:`verify_checkpoint`, or holds no adapter when one
+                is asked for.
 
         The same checkpointer instance later writes the checkpoints (it needs
         the base checkpoint's weight map), into the staging folder.
@@ -166,12 +184,21 @@ class CheckpointManager:
         overrides: Dict[str, Any] = {"output_dir": str(self.staging)}
         if resume_from is not None:
             manifest = verify_checkpoint(resume_from)
-            overrides["checkpoint_dir"] = str(resume_from)
-            overrides["checkpoint_files"] = sorted(
-                n for n in manifest["files"] if n.endswith(".safetensors") and not n.startswith("adapter")
-            )
+            if adapter and ADAPTER_WEIGHTS not in manifest["files"]:
+                raise ConfigError("resume_from_checkpoint", f"checkpoint '{resume_from}' holds no "
+                                  f"{ADAPTER_WEIGHTS}; it was not written by a LoRA recipe")
+            if not adapter:
+                overrides["checkpoint_dir"] = str(resume_from)
+                overrides["checkpoint_files"] = sorted(
+                    n for n in manifest["files"] if n.endswith(".safetensors") and not n.startswith("adapter")
+                )
         self._checkpointer = tt_config.instantiate(self._cfg, **overrides)
-        return self._checkpointer.load_checkpoint()
+        state = self._checkpointer.load_checkpoint()
+        if adapter and resume_from is not None:
+            state[training.ADAPTER_KEY] = torch.load(
+                resume_from / ADAPTER_WEIGHTS, map_location="cpu", weights_only=True
+            )
+        return state
 
     def save(self, state_dict: Dict[str, Any], progress: Progress, recipe_state: Dict[str, Any],
              adapter_only: bool = False) -> Path:
@@ -220,10 +247,14 @@ class CheckpointManager:
 def load_recipe_state(path: Path) -> Dict[str, Any]:
     """Verify a checkpoint folder and load its ``recipe_state.pt``.
 
+    Args:
+        path: the checkpoint folder.
+
     Returns:
         dict with ``progress`` (a :class:`Progress`), ``rng`` (pass it to
-        :func:`set_rng_state` once setup has finished consuming random
-        numbers) and the recipe's own entries.
+        :func:`set_rng_state` once setup is done: building a model draws
+        random numbers for weight init, and dropout draws more in training)
+        and the recipe's own entries.
 
     Raises:
         ConfigError: if the folder does not match its manifest.

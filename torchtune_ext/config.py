@@ -163,6 +163,46 @@ COMMON_KEYS: Dict[str, Key] = {
 }
 
 
+# LoRA recipes: the adapter settings live under ``model`` (torchtune's
+# vocabulary, passed to the LoRA builder as they are). The recipe reads the
+# ones it needs to merge the adapter and describe it in the PEFT adapter
+# config, so those must be spelled out in the config, not left to the builder.
+LORA_ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "output_proj")
+
+
+def _lora_model(key: str, value: Any) -> None:
+    _component(key, value)
+    for name in ("apply_lora_to_mlp", "apply_lora_to_output"):
+        if name not in value:
+            raise ConfigError(f"{key}.{name}", "is required by the LoRA recipe (true or false)")
+        _boolean(f"{key}.{name}", value[name])
+    modules = value.get("lora_attn_modules")
+    if (not isinstance(modules, list) or len(set(modules)) != len(modules)
+            or any(m not in LORA_ATTN_MODULES for m in modules)):
+        raise ConfigError(f"{key}.lora_attn_modules",
+                          f"expected a list of distinct names from {', '.join(LORA_ATTN_MODULES)}, got {modules!r}")
+    if not (modules or value["apply_lora_to_mlp"] or value["apply_lora_to_output"]):
+        raise ConfigError(f"{key}.lora_attn_modules", "no module would get an adapter: name at least one "
+                          "attention projection or set apply_lora_to_mlp=true")
+    _positive_int(f"{key}.lora_rank", value.get("lora_rank"))
+    alpha = value.get("lora_alpha")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0:
+        raise ConfigError(f"{key}.lora_alpha", f"expected a positive number (adapters are scaled by "
+                          f"lora_alpha / lora_rank), got {alpha!r}")
+    dropout = value.get("lora_dropout", 0.0)
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        raise ConfigError(f"{key}.lora_dropout", f"expected a probability in [0, 1), got {dropout!r}")
+    if "use_dora" in value:
+        _boolean(f"{key}.use_dora", value["use_dora"])
+
+
+LORA_KEYS: Dict[str, Key] = {
+    "model": Key(_NO_DEFAULT, _lora_model, required=True),
+    # Checkpoints hold the adapter; false also writes the merged full model.
+    "save_adapter_weights_only": Key(False, _boolean),
+}
+
+
 def _closest(key: str, known: Iterable[str]) -> str:
     match = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
     return f" Did you mean '{match[0]}'?" if match else ""

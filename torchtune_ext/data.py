@@ -4,6 +4,7 @@ import itertools
 from functools import partial
 from typing import Any, Tuple
 
+import torch
 from omegaconf import ListConfig
 from torch.utils.data import ConcatDataset, DataLoader, DistributedSampler
 from torchtune import config as tt_config
@@ -90,8 +91,12 @@ def build_dataloader(
     sampler = ResumableSampler(
         dataset, num_replicas=dp_world_size, rank=dp_rank, shuffle=shuffle, seed=seed, drop_last=False
     )
+    # A private generator: starting an epoch's iterator draws a seed from it,
+    # which would otherwise come from the global RNG and shift dropout masks
+    # after a mid-epoch resume.
     loader = DataLoader(
-        dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate, drop_last=False
+        dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate, drop_last=False,
+        generator=torch.Generator().manual_seed(seed),
     )
     return loader, sampler
 

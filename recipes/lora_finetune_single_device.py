@@ -1,0 +1,250 @@
+"""LoRA fine-tuning on one device, with exact gradient accumulation.
+
+    tune run recipes/lora_finetune_single_device.py \\
+        --config configs/smollm2/135M_lora_single_device.yaml [key=value ...]
+
+Only the low-rank adapters (and DoRA magnitudes) train; the base weights are
+frozen and stay bit-identical. Every optimizer step is normalized by the
+number of trainable label tokens in the whole step, exactly as in the
+full-finetune recipe: the accounting lives in ``torchtune_ext.step``; this file
+builds the LoRA model, trains the adapter and saves it.
+
+A checkpoint ``<output_dir>/step_<N>/`` holds the adapter (``adapter_model.pt``
+in torchtune's key names, ``adapter_model.safetensors`` and
+``adapter_config.json`` for PEFT) and, unless ``save_adapter_weights_only``,
+the merged model in the base checkpoint's HF format. Resuming loads the base
+weights from the base checkpoint and the adapter from the latest step folder.
+"""
+
+import sys
+from typing import Any, Dict, Optional
+
+import torch
+from omegaconf import DictConfig
+from torchtune import config, modules, training, utils
+from torchtune.modules.peft import (
+    get_adapter_params,
+    get_adapter_state_dict,
+    get_lora_module_names,
+    get_merged_lora_ckpt,
+    set_trainable_params,
+    validate_missing_and_unexpected_for_lora,
+)
+from tqdm import tqdm
+
+from torchtune_ext import config as recipe_config
+from torchtune_ext.checkpoint import (
+    CheckpointManager,
+    Progress,
+    latest_checkpoint,
+    load_model_state,
+    load_recipe_state,
+    set_rng_state,
+)
+from torchtune_ext.data import build_dataloader
+from torchtune_ext.loss import SummedCrossEntropyLoss
+from torchtune_ext.metrics import StepTimer, build_metric_logger, progress_description, reset_peak_memory, step_record
+from torchtune_ext.step import NonFiniteError, micro_batch_windows, steps_per_epoch, train_step
+
+log = utils.get_logger("INFO")
+
+
+class LoRAFinetuneRecipeSingleDevice:
+    """Single-device LoRA fine-tuning; see the module docstring.
+
+    Args:
+        cfg (DictConfig): a config already checked by ``torchtune_ext.config.validate``
+            with ``torchtune_ext.config.LORA_KEYS``.
+    """
+
+    def __init__(self, cfg: DictConfig) -> None:
+        self.cfg = cfg
+        self._device = utils.get_device(None if cfg.device == "auto" else cfg.device)
+        self._dtype = training.get_dtype(cfg.dtype, device=self._device)
+        self.progress = Progress(seed=training.set_seed(seed=cfg.seed))
+
+    # ------------------------------------------------------------------ setup
+    def setup(self) -> None:
+        cfg = self.cfg
+        resume_from = latest_checkpoint(cfg.output_dir) if cfg.resume_from_checkpoint else None
+        resumed: Dict[str, Any] = load_recipe_state(resume_from) if resume_from else {}
+        if resumed:
+            self.progress = resumed["progress"]
+            log.info(f"Resuming from {resume_from} (step {self.progress.step})")
+
+        # Data first: a bad dataset fails before anything is loaded or written.
+        self._tokenizer = config.instantiate(cfg.tokenizer)
+        self._loss_fn = self._setup_loss(cfg.loss)
+        self._dataloader, self._sampler = build_dataloader(
+            cfg.dataset, self._tokenizer, batch_size=cfg.batch_size, shuffle=cfg.shuffle,
+            seed=self.progress.seed, ignore_index=self._loss_fn.ignore_index,
+        )
+        self._steps_per_epoch = steps_per_epoch(
+            len(self._dataloader), cfg.gradient_accumulation_steps, cfg.max_steps_per_epoch
+        )
+
+        self._checkpoints = CheckpointManager(cfg.checkpointer, cfg.output_dir, cfg.keep_last_n_checkpoints)
+        checkpoint = self._checkpoints.load(resume_from, adapter=True)
+        self._model = self._setup_model(cfg.model, checkpoint[training.MODEL_KEY], checkpoint.get(training.ADAPTER_KEY))
+        # Only the adapter: the step's grad_norm and clipping cover exactly what trains.
+        self._optimizer = config.instantiate(cfg.optimizer, self._adapter_params.values())
+        self._lr_scheduler = self._setup_lr_scheduler(cfg.lr_scheduler)
+        if resumed:
+            # after the scheduler exists: building it resets the optimizer's lr
+            self._optimizer.load_state_dict(resumed[training.OPT_KEY])
+            if self._lr_scheduler is not None:
+                self._lr_scheduler.load_state_dict(resumed["lr_scheduler"])
+
+        self._metric_logger = build_metric_logger(cfg, rank=0, resume=bool(resumed))
+        self._metric_logger.log_config(cfg)
+        if resumed:
+            set_rng_state(resumed["rng"])  # last: building the model drew random numbers; lora_dropout draws more
+
+    def _setup_loss(self, cfg_loss: DictConfig) -> SummedCrossEntropyLoss:
+        loss_fn = config.instantiate(cfg_loss)
+        if not isinstance(loss_fn, SummedCrossEntropyLoss):
+            raise recipe_config.ConfigError(
+                "loss", "must be torchtune_ext.loss.SummedCrossEntropyLoss (sum-reduced); "
+                "a mean-reduced loss cannot be normalized exactly across micro-batches"
+            )
+        if self.cfg.compile:
+            loss_fn.compile_chunk()
+        return loss_fn
+
+    def _setup_model(self, cfg_model: DictConfig, base_state: Dict[str, Any],
+                     adapter_state: Optional[Dict[str, Any]]) -> torch.nn.Module:
+        with training.set_default_dtype(self._dtype), self._device:
+            model = config.instantiate(cfg_model)
+        # Before wrapping for activation checkpointing, which renames the parameters.
+        self._adapter_params = get_adapter_params(model)
+        set_trainable_params(model, self._adapter_params)
+        if self.cfg.enable_activation_checkpointing:
+            training.set_activation_checkpointing(model, auto_wrap_policy={modules.TransformerSelfAttentionLayer})
+        base_missing, base_unexpected = load_model_state(model, base_state, self.cfg.checkpointer.checkpoint_dir,
+                                                         strict=False)
+        for module in model.modules():
+            if hasattr(module, "initialize_dora_magnitude"):
+                module.initialize_dora_magnitude()  # DoRA starts from the norms of the loaded base weights
+        adapter_missing = adapter_unexpected = None
+        if adapter_state is not None:
+            try:
+                adapter_missing, adapter_unexpected = model.load_state_dict(adapter_state, strict=False)
+            except RuntimeError as err:  # shape mismatch: lora_rank changed since the checkpoint
+                raise recipe_config.ConfigError(
+                    "resume_from_checkpoint", f"the saved adapter does not fit model.lora_rank: resume with the "
+                    f"LoRA settings it was trained with ({err})") from None
+        validate_missing_and_unexpected_for_lora(
+            lora_attn_modules=list(cfg_model.lora_attn_modules), apply_lora_to_mlp=cfg_model.apply_lora_to_mlp,
+            apply_lora_to_output=cfg_model.apply_lora_to_output, base_missing=base_missing,
+            base_unexpected=base_unexpected, lora_missing=adapter_missing, lora_unexpected=adapter_unexpected,
+        )
+        training.validate_expected_param_dtype(self._adapter_params.items(), dtype=self._dtype)
+        if self.cfg.compile:
+            training.compile_model(model)
+        model.set_num_output_chunks(self._loss_fn.num_output_chunks)
+        total = sum(p.numel() for p in model.parameters())
+        trainable = sum(p.numel() for p in self._adapter_params.values())
+        log.info(f"Model: {total:,} parameters, {trainable:,} trainable ({100 * trainable / total:.2f}%), "
+                 f"{self._dtype} on {self._device}")
+        return model
+
+    def _setup_lr_scheduler(self, cfg_lr_scheduler: Optional[DictConfig]):
+        if recipe_config.enabled(cfg_lr_scheduler) is None:
+            return None
+        return config.instantiate(
+            cfg_lr_scheduler, self._optimizer, num_training_steps=self.cfg.epochs * self._steps_per_epoch
+        )
+
+    # ------------------------------------------------------------------ train
+    def train(self) -> None:
+        cfg, progress = self.cfg, self.progress
+        timer = StepTimer(self._device)
+        bar = tqdm(total=cfg.epochs * self._steps_per_epoch, initial=progress.step, dynamic_ncols=True)
+        while progress.epoch < cfg.epochs:
+            done_in_epoch = progress.steps_in_epoch
+            self._sampler.set_epoch(progress.epoch, start=done_in_epoch * cfg.gradient_accumulation_steps * cfg.batch_size)
+            remaining = None if cfg.max_steps_per_epoch is None else cfg.max_steps_per_epoch - done_in_epoch
+            for micro_batches in micro_batch_windows(self._dataloader, cfg.gradient_accumulation_steps, remaining):
+                reset_peak_memory(self._device)
+                timer.start()
+                lr = training.get_lr(self._optimizer)
+                try:
+                    result = train_step(
+                        self._model, self._optimizer, self._loss_fn, micro_batches, device=self._device,
+                        backward_once_per_step=cfg.backward_once_per_step, clip_grad_norm=cfg.clip_grad_norm,
+                        skip_nonfinite_steps=cfg.skip_nonfinite_steps, step=progress.step + 1,
+                    )
+                except NonFiniteError as err:
+                    last = latest_checkpoint(cfg.output_dir)
+                    raise RuntimeError(
+                        f"{err}. Last good checkpoint: {last or 'none (only the base model)'}. Resume with "
+                        "resume_from_checkpoint=true, or set skip_nonfinite_steps=true to skip such steps."
+                    ) from err
+                if self._lr_scheduler is not None:
+                    self._lr_scheduler.step()
+                progress.step += 1
+                progress.steps_in_epoch += 1
+                progress.skipped_steps += result.skipped is not None
+                record = step_record(result, step=progress.step, epoch=progress.epoch, lr=lr,
+                                     step_seconds=timer.stop(), device=self._device,
+                                     skipped_steps=progress.skipped_steps)
+                if progress.step % cfg.log_every_n_steps == 0:
+                    self._metric_logger.log(record)
+                bar.update(1)
+                bar.set_description(progress_description(record))
+                if cfg.save_every_n_steps and progress.step % cfg.save_every_n_steps == 0:
+                    self.save_checkpoint()
+            progress.epoch += 1
+            progress.steps_in_epoch = 0
+            self.save_checkpoint()
+        bar.close()
+
+    # ------------------------------------------------------------- checkpoint
+    def save_checkpoint(self) -> None:
+        recipe_state = {training.OPT_KEY: self._optimizer.state_dict()}
+        if self._lr_scheduler is not None:
+            recipe_state["lr_scheduler"] = self._lr_scheduler.state_dict()
+        path = self._checkpoints.save(self._checkpoint_state(), self.progress, recipe_state,
+                                      adapter_only=self.cfg.save_adapter_weights_only)
+        log.info(f"Checkpoint saved: {path}")
+
+    def _checkpoint_state(self) -> Dict[str, Any]:
+        """The adapter, its PEFT config and, unless adapter-only, the merged model (CPU tensors)."""
+        lora = self.cfg.model
+        model_state = self._model.state_dict()
+        state: Dict[str, Any] = {
+            training.ADAPTER_KEY: get_adapter_state_dict(model_state),
+            training.ADAPTER_CONFIG: {
+                "r": lora.lora_rank,
+                "lora_alpha": lora.lora_alpha,
+                "target_modules": get_lora_module_names(
+                    list(lora.lora_attn_modules), lora.apply_lora_to_mlp, lora.apply_lora_to_output
+                ),
+                "peft_type": "LORA",
+                "use_dora": any(name.endswith("magnitude") for name in self._adapter_params),
+            },
+        }
+        if not self.cfg.save_adapter_weights_only:
+            # Copies: the merge adds to the base weights in place, and on CPU the
+            # state dict's tensors are the model's own frozen weights.
+            merged = {k: v.detach().to("cpu", copy=True) for k, v in model_state.items()}
+            state[training.MODEL_KEY] = get_merged_lora_ckpt(merged, rank=lora.lora_rank, alpha=lora.lora_alpha)
+        return state
+
+    def cleanup(self) -> None:
+        self._metric_logger.close()
+
+
+@config.parse
+@recipe_config.exit_on_user_error
+def recipe_main(cfg: DictConfig) -> None:
+    cfg = recipe_config.validate(cfg, extra_keys=recipe_config.LORA_KEYS)
+    recipe = LoRAFinetuneRecipeSingleDevice(cfg)
+    with recipe_config.output_dir_unchanged_on_error(cfg.output_dir):
+        recipe.setup()
+    recipe.train()
+    recipe.cleanup()
+
+
+if __name__ == "__main__":
+    sys.exit(recipe_main())
