@@ -211,7 +211,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"\nreport: {out / 'report.md'}")
     for r in results:
         diff = "" if r.status == analysis.REFERENCE else \
-            f" loss Δ {analysis._fmt_diff(r.loss_diff)}, grad_norm Δ {analysis._fmt_diff(r.grad_norm_diff)}"
+            f" loss Δ {analysis.format_diff(r.loss_diff)}, grad_norm Δ {analysis.format_diff(r.grad_norm_diff)}"
         print(f"  {r.status:>10}  {r.case.name}{diff}")
     if failed_runs:
         return EXIT_RUN_FAILED
