@@ -155,6 +155,10 @@ COMMON_KEYS: Dict[str, Key] = {
     "enable_activation_checkpointing": Key(False, _boolean),
     "resume_from_checkpoint": Key(False, _boolean),
     "save_every_n_steps": Key(None, _optional_positive_int),
+    # false: skip the checkpoint at the end of the last epoch (runs whose
+    # metrics are all that matters, e.g. the parity report); periodic and
+    # earlier end-of-epoch checkpoints are still written.
+    "save_final_checkpoint": Key(True, _boolean),
     "keep_last_n_checkpoints": Key(None, _optional_positive_int),
     "skip_nonfinite_steps": Key(False, _boolean),
     "optimizer_in_bwd": Key(False, _boolean),
