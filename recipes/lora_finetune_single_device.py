@@ -196,7 +196,8 @@ class LoRAFinetuneRecipeSingleDevice:
                     self.save_checkpoint()
             progress.epoch += 1
             progress.steps_in_epoch = 0
-            self.save_checkpoint()
+            if progress.epoch < cfg.epochs or cfg.save_final_checkpoint:
+                self.save_checkpoint()
         bar.close()
 
     # ------------------------------------------------------------- checkpoint
