@@ -33,7 +33,14 @@ from torchtune.modules.peft import (
 from tqdm import tqdm
 
 from torchtune_ext import config as recipe_config
-from torchtune_ext.checkpoint import CheckpointManager, Progress, latest_checkpoint, load_recipe_state, set_rng_state
+from torchtune_ext.checkpoint import (
+    CheckpointManager,
+    Progress,
+    latest_checkpoint,
+    load_model_state,
+    load_recipe_state,
+    set_rng_state,
+)
 from torchtune_ext.data import build_dataloader
 from torchtune_ext.loss import SummedCrossEntropyLoss
 from torchtune_ext.metrics import StepTimer, build_metric_logger, progress_description, reset_peak_memory, step_record
@@ -59,21 +66,15 @@ class LoRAFinetuneRecipeSingleDevice:
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
         cfg = self.cfg
-        self._checkpoints = CheckpointManager(cfg.checkpointer, cfg.output_dir, cfg.keep_last_n_checkpoints)
         resume_from = latest_checkpoint(cfg.output_dir) if cfg.resume_from_checkpoint else None
-        checkpoint = self._checkpoints.load(resume_from, adapter=True)
-        resumed: Dict[str, Any] = {}
-        if resume_from is not None:
-            resumed = load_recipe_state(resume_from, restore_rng=False)
+        resumed: Dict[str, Any] = load_recipe_state(resume_from) if resume_from else {}
+        if resumed:
             self.progress = resumed["progress"]
             log.info(f"Resuming from {resume_from} (step {self.progress.step})")
 
-        self._metric_logger = build_metric_logger(cfg, rank=0)
-        self._metric_logger.log_config(cfg)
-        self._loss_fn = self._setup_loss(cfg.loss)
-        self._model = self._setup_model(cfg.model, checkpoint[training.MODEL_KEY], checkpoint.get(training.ADAPTER_KEY))
+        # Data first: a bad dataset fails before anything is loaded or written.
         self._tokenizer = config.instantiate(cfg.tokenizer)
-        self._optimizer = self._setup_optimizer(cfg.optimizer, resumed.get(training.OPT_KEY))
+        self._loss_fn = self._setup_loss(cfg.loss)
         self._dataloader, self._sampler = build_dataloader(
             cfg.dataset, self._tokenizer, batch_size=cfg.batch_size, shuffle=cfg.shuffle,
             seed=self.progress.seed, ignore_index=self._loss_fn.ignore_index,
@@ -81,10 +82,23 @@ class LoRAFinetuneRecipeSingleDevice:
         self._steps_per_epoch = steps_per_epoch(
             len(self._dataloader), cfg.gradient_accumulation_steps, cfg.max_steps_per_epoch
         )
-        self._lr_scheduler = self._setup_lr_scheduler(cfg.lr_scheduler, resumed.get("lr_scheduler"))
+
+        self._checkpoints = CheckpointManager(cfg.checkpointer, cfg.output_dir, cfg.keep_last_n_checkpoints)
+        checkpoint = self._checkpoints.load(resume_from, adapter=True)
+        self._model = self._setup_model(cfg.model, checkpoint[training.MODEL_KEY], checkpoint.get(training.ADAPTER_KEY))
+        # Only the adapter: the step's grad_norm and clipping cover exactly what trains.
+        self._optimizer = config.instantiate(cfg.optimizer, self._adapter_params.values())
+        self._lr_scheduler = self._setup_lr_scheduler(cfg.lr_scheduler)
         if resumed:
-            # Last: building the model drew random numbers (adapter init); lora_dropout draws more.
-            set_rng_state(resumed["rng"])
+            # after the scheduler exists: building it resets the optimizer's lr
+            self._optimizer.load_state_dict(resumed[training.OPT_KEY])
+            if self._lr_scheduler is not None:
+                self._lr_scheduler.load_state_dict(resumed["lr_scheduler"])
+
+        self._metric_logger = build_metric_logger(cfg, rank=0, resume=bool(resumed))
+        self._metric_logger.log_config(cfg)
+        if resumed:
+            set_rng_state(resumed["rng"])  # last: building the model drew random numbers; lora_dropout draws more
 
     def _setup_loss(self, cfg_loss: DictConfig) -> SummedCrossEntropyLoss:
         loss_fn = config.instantiate(cfg_loss)
@@ -106,7 +120,8 @@ class LoRAFinetuneRecipeSingleDevice:
         set_trainable_params(model, self._adapter_params)
         if self.cfg.enable_activation_checkpointing:
             training.set_activation_checkpointing(model, auto_wrap_policy={modules.TransformerSelfAttentionLayer})
-        base_missing, base_unexpected = model.load_state_dict(base_state, strict=False)
+        base_missing, base_unexpected = load_model_state(model, base_state, self.cfg.checkpointer.checkpoint_dir,
+                                                         strict=False)
         for module in model.modules():
             if hasattr(module, "initialize_dora_magnitude"):
                 module.initialize_dora_magnitude()  # DoRA starts from the norms of the loaded base weights
@@ -133,25 +148,12 @@ class LoRAFinetuneRecipeSingleDevice:
                  f"{self._dtype} on {self._device}")
         return model
 
-    def _setup_optimizer(self, cfg_optimizer: DictConfig, state: Optional[dict]) -> torch.optim.Optimizer:
-        # Only the adapter: the step's grad_norm and clipping cover exactly what trains.
-        optimizer = config.instantiate(cfg_optimizer, self._adapter_params.values())
-        if state is not None:
-            optimizer.load_state_dict(state)
-        return optimizer
-
-    def _setup_lr_scheduler(self, cfg_lr_scheduler: Optional[DictConfig], state: Optional[dict]):
+    def _setup_lr_scheduler(self, cfg_lr_scheduler: Optional[DictConfig]):
         if recipe_config.enabled(cfg_lr_scheduler) is None:
             return None
-        scheduler = config.instantiate(
+        return config.instantiate(
             cfg_lr_scheduler, self._optimizer, num_training_steps=self.cfg.epochs * self._steps_per_epoch
         )
-        if state is not None:
-            scheduler.load_state_dict(state)
-            # Building the scheduler set the optimizer's lr to that of step 0.
-            for group, lr in zip(self._optimizer.param_groups, scheduler.get_last_lr()):
-                group["lr"] = lr
-        return scheduler
 
     # ------------------------------------------------------------------ train
     def train(self) -> None:
@@ -194,7 +196,8 @@ class LoRAFinetuneRecipeSingleDevice:
                     self.save_checkpoint()
             progress.epoch += 1
             progress.steps_in_epoch = 0
-            self.save_checkpoint()
+            if progress.epoch < cfg.epochs or cfg.save_final_checkpoint:
+                self.save_checkpoint()
         bar.close()
 
     # ------------------------------------------------------------- checkpoint
@@ -238,7 +241,8 @@ class LoRAFinetuneRecipeSingleDevice:
 def recipe_main(cfg: DictConfig) -> None:
     cfg = recipe_config.validate(cfg, extra_keys=recipe_config.LORA_KEYS)
     recipe = LoRAFinetuneRecipeSingleDevice(cfg)
-    recipe.setup()
+    with recipe_config.output_dir_unchanged_on_error(cfg.output_dir):
+        recipe.setup()
     recipe.train()
     recipe.cleanup()
 

@@ -29,3 +29,11 @@ def smollm2_assets() -> Path:
         first_missing = str(err).splitlines()[1].strip()
         pytest.skip(f"{first_missing} is missing; run `python -m torchtune_ext.download` in {REPO_ROOT}")
     return root
+
+
+@pytest.fixture
+def tiny_run(tmp_path, smollm2_assets):
+    """Factory: ``tiny_run(**overrides)`` writes a tiny model/data/config, returns the config path."""
+    from tiny_run import make_tiny_run
+
+    return lambda name="tiny", **overrides: make_tiny_run(tmp_path / name, smollm2_assets, **overrides)

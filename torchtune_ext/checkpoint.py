@@ -244,23 +244,23 @@ class CheckpointManager:
             shutil.rmtree(old)
 
 
-def load_recipe_state(path: Path, restore_rng: bool = True) -> Dict[str, Any]:
-    """Load ``recipe_state.pt`` of a checkpoint and restore the RNG states.
+def load_recipe_state(path: Path) -> Dict[str, Any]:
+    """Verify a checkpoint folder and load its ``recipe_state.pt``.
 
     Args:
         path: the checkpoint folder.
-        restore_rng: restore the RNG states now. False leaves them in the
-            returned ``rng`` entry, for :func:`set_rng_state` once setup is
-            done: building a model draws random numbers (weight init), which
-            matters when training draws more (dropout).
 
     Returns:
-        dict with ``progress`` (a :class:`Progress`), the recipe's entries,
-        and ``rng`` unless ``restore_rng``.
+        dict with ``progress`` (a :class:`Progress`), ``rng`` (pass it to
+        :func:`set_rng_state` once setup is done: building a model draws
+        random numbers for weight init, and dropout draws more in training)
+        and the recipe's own entries.
+
+    Raises:
+        ConfigError: if the folder does not match its manifest.
     """
+    verify_checkpoint(path)
     state = torch.load(path / RECIPE_STATE, map_location="cpu", weights_only=False)
-    if restore_rng:
-        set_rng_state(state.pop("rng"))
     state["progress"] = Progress(**state["progress"])
     return state
 
@@ -278,3 +278,28 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def load_model_state(model: torch.nn.Module, state_dict: Dict[str, Any], source: str, strict: bool = True):
+    """``model.load_state_dict`` with a config error, not a traceback, on a misfit.
+
+    Args:
+        source: where the weights came from, for the message.
+        strict: as in ``load_state_dict``.
+
+    Returns:
+        what ``load_state_dict`` returns (missing and unexpected keys).
+
+    Raises:
+        ConfigError: (key ``checkpointer.checkpoint_dir``) if a shape or a key
+            of the checkpoint does not fit the model.
+    """
+    try:
+        return model.load_state_dict(state_dict, strict=strict)
+    except RuntimeError as err:
+        detail = "; ".join(line.strip() for line in str(err).splitlines()[1:4] if line.strip())
+        raise ConfigError(
+            "checkpointer.checkpoint_dir",
+            f"the checkpoint in '{source}' does not fit the configured model ({detail or err}). "
+            "Check that `model` matches the checkpoint's architecture.",
+        ) from err

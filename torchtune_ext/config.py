@@ -8,13 +8,15 @@ expected mistakes into one clear line on stderr and exit status 2, without a
 traceback and before anything is written.
 """
 
+import contextlib
 import difflib
 import functools
 import logging
 import os
+import shutil
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple
 
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
@@ -153,8 +155,13 @@ COMMON_KEYS: Dict[str, Key] = {
     "enable_activation_checkpointing": Key(False, _boolean),
     "resume_from_checkpoint": Key(False, _boolean),
     "save_every_n_steps": Key(None, _optional_positive_int),
+    # false: skip the checkpoint at the end of the last epoch (runs whose
+    # metrics are all that matters, e.g. the parity report); periodic and
+    # earlier end-of-epoch checkpoints are still written.
+    "save_final_checkpoint": Key(True, _boolean),
     "keep_last_n_checkpoints": Key(None, _optional_positive_int),
     "skip_nonfinite_steps": Key(False, _boolean),
+    "optimizer_in_bwd": Key(False, _boolean),
     "log_every_n_steps": Key(1, _positive_int),
     "log_level": Key("INFO", _one_of("DEBUG", "INFO", "WARNING", "ERROR")),
 }
@@ -275,6 +282,48 @@ def check_output_dir(path: str) -> None:
         raise ConfigError("output_dir", f"'{path}' is not writable (checked '{probe}')")
 
 
+def _check_combinations(cfg: DictConfig) -> None:
+    if cfg.optimizer_in_bwd:
+        if cfg.gradient_accumulation_steps > 1 or cfg.clip_grad_norm is not None:
+            raise ConfigError(
+                "optimizer_in_bwd",
+                "cannot be combined with gradient_accumulation_steps > 1 or clip_grad_norm: it updates each "
+                "parameter during backward, before the step's other gradients (and their norm) exist",
+            )
+        raise ConfigError(
+            "optimizer_in_bwd",
+            "is not supported by these recipes: the step's gradient norm and non-finite check must run "
+            "before any parameter is updated. For lower memory use backward_once_per_step=false.",
+        )
+    max_seq_len = cfg.tokenizer.get("max_seq_len")
+    if max_seq_len is not None and (isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 2):
+        raise ConfigError("tokenizer.max_seq_len", f"expected an integer >= 2 (one input and one label), got {max_seq_len!r}")
+    if cfg.dtype == "bf16":
+        import torch
+
+        on_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+        if on_cuda and not torch.cuda.is_bf16_supported():
+            raise ConfigError("dtype", "bf16 is not supported by this CUDA device; use dtype=fp32")
+    if cfg.resume_from_checkpoint:
+        from torchtune_ext.checkpoint import latest_checkpoint
+
+        if latest_checkpoint(cfg.output_dir) is None:
+            raise ConfigError(
+                "resume_from_checkpoint",
+                f"no complete checkpoint (step_<N>/ with checkpoint.json) in output_dir '{cfg.output_dir}'",
+            )
+    elif any(name.startswith("step_") for name in _listdir(cfg.output_dir)):
+        raise ConfigError(
+            "output_dir",
+            f"'{cfg.output_dir}' already holds checkpoints of a run; set resume_from_checkpoint=true to "
+            "continue it, or choose another output_dir (nothing is overwritten)",
+        )
+
+
+def _listdir(path: str):
+    return os.listdir(path) if os.path.isdir(path) else []
+
+
 def validate(cfg: DictConfig, extra_keys: Optional[Dict[str, Key]] = None) -> DictConfig:
     """Fill defaults and check a recipe config before any work starts.
 
@@ -301,6 +350,7 @@ def validate(cfg: DictConfig, extra_keys: Optional[Dict[str, Key]] = None) -> Di
                 cfg[key] = spec.default
         spec.check(key, OmegaConf.to_object(cfg[key]) if OmegaConf.is_config(cfg[key]) else cfg[key])
 
+    _check_combinations(cfg)
     if cfg.device == "cuda":
         import torch
 
@@ -323,3 +373,29 @@ def exit_on_user_error(recipe_main: Callable[[DictConfig], Any]) -> Callable[[Di
             sys.exit(2)
 
     return wrapper
+
+
+@contextlib.contextmanager
+def output_dir_unchanged_on_error(path: str) -> Iterator[None]:
+    """Undo what setup created in ``output_dir`` if it fails on bad input.
+
+    On a :class:`ConfigError` inside the block, entries of ``path`` that did
+    not exist before are removed (and ``path`` itself, if it was created);
+    entries that existed before are never touched. Use it around a recipe's
+    ``setup()`` only: training writes are never rolled back.
+    """
+    existed = os.path.isdir(path)
+    before = set(os.listdir(path)) if existed else set()
+    try:
+        yield
+    except ConfigError:
+        if not existed:
+            shutil.rmtree(path, ignore_errors=True)
+        elif os.path.isdir(path):
+            for name in set(os.listdir(path)) - before:
+                target = os.path.join(path, name)
+                if os.path.isdir(target) and not os.path.islink(target):
+                    shutil.rmtree(target, ignore_errors=True)
+                else:
+                    os.remove(target)
+        raise

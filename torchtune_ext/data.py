@@ -123,7 +123,14 @@ def build_dataloader(
     packed = {bool(c.get("packed", False)) for c in cfgs}
     if len(packed) > 1:
         raise ConfigError("dataset", "packed and unpacked datasets cannot be mixed")
-    datasets = [tt_config.instantiate(c, tokenizer) for c in cfgs]
+    datasets = []
+    for i, c in enumerate(cfgs):
+        try:
+            datasets.append(tt_config.instantiate(c, tokenizer))
+        except Exception as err:  # the datasets library raises many types for unreadable files
+            key = "dataset" if len(cfgs) == 1 else f"dataset[{i}]"
+            source = c.get("data_files") or c.get("source")
+            raise ConfigError(key, f"could not load '{source}': {type(err).__name__}: {err}") from err
     dataset = datasets[0] if len(datasets) == 1 else ConcatDataset(datasets)
     if len(dataset) == 0:
         raise ConfigError("dataset", "the dataset yields zero samples")

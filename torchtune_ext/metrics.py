@@ -161,17 +161,31 @@ class MetricLogger:
             self._backend = None
 
 
-def build_metric_logger(cfg: DictConfig, rank: int) -> MetricLogger:
+def build_metric_logger(cfg: DictConfig, rank: int, resume: bool = False) -> MetricLogger:
     """Metric logger for a recipe config: ``cfg.metric_logger`` plus the JSONL file.
 
     The JSONL file is ``<cfg.output_dir>/logs/metrics.jsonl``. The backend is
     instantiated only on rank 0 (so only one W&B run exists per job); a null
-    ``metric_logger`` means JSONL only.
+    ``metric_logger`` means JSONL only. For W&B, the run id is kept in
+    ``<output_dir>/logs/wandb_run_id`` and a resumed training run continues
+    the same W&B run (``resume="allow"``).
     """
     backend = None
+    logs = Path(cfg.output_dir) / "logs"
     if rank == 0 and enabled(cfg.get("metric_logger")) is not None:
-        backend = tt_config.instantiate(cfg.metric_logger)
-    return MetricLogger(Path(cfg.output_dir) / "logs" / "metrics.jsonl", backend, rank)
+        kwargs = {}
+        is_wandb = str(cfg.metric_logger._component_).endswith("WandBLogger")
+        id_file = logs / "wandb_run_id"
+        if is_wandb and resume and id_file.is_file():
+            kwargs = {"id": id_file.read_text().strip(), "resume": "allow"}
+        backend = tt_config.instantiate(cfg.metric_logger, **kwargs)
+        if is_wandb:
+            import wandb
+
+            if wandb.run is not None:
+                logs.mkdir(parents=True, exist_ok=True)
+                id_file.write_text(wandb.run.id)
+    return MetricLogger(logs / "metrics.jsonl", backend, rank)
 
 
 def progress_description(record: Mapping[str, Any]) -> str:

@@ -1,0 +1,204 @@
+"""Never wrong, never lost: resume, epoch ends, bad input -- through the real recipe on a tiny model."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from helpers import REPO_ROOT, read_jsonl, run_tune
+from torchtune_ext.step import steps_per_epoch
+
+RECIPE = "recipes/full_finetune_single_device.py"
+
+
+def tune(config, *overrides):
+    return run_tune(RECIPE, "--config", str(config), *overrides)
+
+
+def by_step(rows):
+    """Last record per step (a resumed run re-logs the steps after its checkpoint)."""
+    return {r["step"]: r for r in rows}
+
+
+def snapshot(folder):
+    """Relative path -> (size, mtime) of everything under ``folder``."""
+    out = {}
+    for root, _, files in os.walk(folder):
+        for name in files:
+            p = os.path.join(root, name)
+            out[os.path.relpath(p, folder)] = (os.path.getsize(p), os.path.getmtime(p))
+    return out
+
+
+def test_resume_after_sigkill_mid_epoch_is_exact(tiny_run):
+    """Kill a run mid-step; resuming reproduces the uninterrupted run's losses exactly."""
+    overrides = dict(batch_size=2, gradient_accumulation_steps=3, epochs=2, save_every_n_steps=2)
+    reference = tiny_run("reference", **overrides)
+    assert tune(reference).returncode == 0
+    expected = by_step(read_jsonl(reference.parent / "out/logs/metrics.jsonl"))
+    assert len(expected) == 8  # 24 samples / (2 x 3) = 4 steps per epoch, 2 epochs
+
+    config = tiny_run("killed", **overrides)
+    out = config.parent / "out"
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    proc = subprocess.Popen(["tune", "run", RECIPE, "--config", str(config)], cwd=REPO_ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics = out / "logs/metrics.jsonl"
+    deadline = time.time() + 300
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert proc.poll() is None and time.time() < deadline, "run ended before it could be killed"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)  # during step 4: step 2 is the last checkpoint
+    proc.wait()
+    assert sorted(p.name for p in out.glob("step_*")) == ["step_2"]
+    kept = snapshot(out / "step_2")
+
+    resumed = tune(config, "resume_from_checkpoint=true")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    rows = read_jsonl(metrics)
+    assert [r["step"] for r in rows][:3] == [1, 2, 3]  # the earlier part is kept, then appended
+    got = by_step(rows)
+    assert sorted(got) == sorted(expected)
+    for step, row in expected.items():
+        for key in ("loss", "grad_norm", "lr", "num_tokens"):
+            assert got[step][key] == pytest.approx(row[key], rel=1e-6, abs=1e-12), (step, key)
+    assert snapshot(out / "step_2") == kept  # the checkpoint resumed from was not rewritten
+
+
+def test_partial_window_at_epoch_end(tiny_run):
+    """7 micro-batches, 4 accumulation steps, 2 epochs: 2 steps per epoch, windows restart each epoch."""
+    config = tiny_run(n_samples=14, batch_size=2, gradient_accumulation_steps=4, epochs=2, shuffle=True, seed=7)
+    proc = tune(config)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = read_jsonl(config.parent / "out/logs/metrics.jsonl")
+    assert [(r["step"], r["epoch"]) for r in rows] == [(1, 0), (2, 0), (3, 1), (4, 1)]
+
+    # Recompute each window's token count from the same data, sampler and tokenizer.
+    from torchtune import config as tt_config
+
+    from torchtune_ext.data import build_dataloader
+
+    cfg = OmegaConf.load(config)
+    tokenizer = tt_config.instantiate(cfg.tokenizer)
+    loader, sampler = build_dataloader(cfg.dataset, tokenizer, batch_size=2, shuffle=True, seed=7, ignore_index=-100)
+    assert len(loader) == 7 and steps_per_epoch(7, 4) == 2
+    expected = []
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        counts = [int((b["labels"][:, 1:] != -100).sum()) for b in loader]
+        expected += [sum(counts[:4]), sum(counts[4:])]  # first step of each epoch = its first 4 micro-batches
+    assert [r["num_tokens"] for r in rows] == expected
+    # the LR schedule was built for exactly 4 steps: cosine after 1 warmup step ends at
+    # 0.5 * (1 + cos(pi * 2/3)) * lr on step 4
+    assert rows[-1]["lr"] == pytest.approx(0.5 * (1 + torch.cos(torch.tensor(torch.pi * 2 / 3)).item()) * 1e-3)
+
+
+def test_nonfinite_loss_stops_with_step_and_checkpoint(tiny_run):
+    config = tiny_run(batch_size=4, gradient_accumulation_steps=1, save_every_n_steps=1, clip_grad_norm=None,
+                      **{"optimizer._component_": "torch.optim.SGD", "optimizer.lr": 1e25,
+                         "optimizer.weight_decay": 0.0, "lr_scheduler": None})
+    proc = tune(config)
+    assert proc.returncode != 0
+    out = config.parent / "out"
+    last = max(int(p.name.split("_")[1]) for p in out.glob("step_*"))
+    assert f"non-finite values at optimizer step {last + 1}" in proc.stderr
+    assert f"Last good checkpoint: {out / f'step_{last}'}" in proc.stderr
+
+    proc = tune(config, f"output_dir={config.parent / 'skip'}", "skip_nonfinite_steps=true")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = read_jsonl(config.parent / "skip/logs/metrics.jsonl")
+    assert rows[-1]["skipped_steps"] >= 1 and all("loss" not in r or r["loss"] == r["loss"] for r in rows)
+
+
+CONFIG_ERRORS = {
+    # override -> words the error must contain; caught by validate() before any work
+    "batch_size=0": ["batch_size", "positive integer"],
+    "gradient_accumulation_steps=-1": ["gradient_accumulation_steps", "positive integer"],
+    "gradient_accumulation_steps=2.5": ["gradient_accumulation_steps", "positive integer"],
+    "backward_once_per_step=maybe": ["backward_once_per_step", "true or false"],
+    "optimizer_in_bwd=true": ["optimizer_in_bwd", "gradient_accumulation_steps"],
+    "tokenizer.max_seq_len=1": ["tokenizer.max_seq_len", ">= 2"],
+    "dataset.data_files=/nonexistent/data.json": ["dataset.data_files", "/nonexistent/data.json"],
+    "checkpointer.checkpoint_files=[missing.safetensors]": ["checkpointer.checkpoint_files", "missing.safetensors"],
+    "resume_from_checkpoint=true": ["resume_from_checkpoint", "no complete checkpoint"],
+    "dtype=fp16": ["dtype", "fp32, bf16"],
+}
+
+
+@pytest.mark.parametrize("override", sorted(CONFIG_ERRORS))
+def test_config_errors_name_the_key(tiny_run, override):
+    from torchtune_ext.config import ConfigError, validate
+
+    config = tiny_run(gradient_accumulation_steps=2)
+    cfg = OmegaConf.merge(OmegaConf.load(config), OmegaConf.from_dotlist([override]))
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    for word in CONFIG_ERRORS[override]:
+        assert word in str(err.value)
+
+
+# One bad input per stage of start-up, through the command line: validation,
+# data loading, model loading. Each exits 2 with one line and leaves the
+# output folder as it was.
+@pytest.mark.parametrize("override,words", [
+    ("gradient_accumulation_steps=-1", ["gradient_accumulation_steps", "positive integer"]),
+    ("dataset.data_files=DATA", ["'dataset'", "could not load"]),
+    ("model.embed_dim=32", ["checkpointer.checkpoint_dir", "does not fit"]),
+], ids=["validation", "data", "model"])
+def test_bad_input_fails_cleanly_and_writes_nothing(tiny_run, override, words):
+    config = tiny_run(gradient_accumulation_steps=2)
+    bad_data = config.parent / "bad.json"
+    bad_data.write_text("{not json")
+    out = config.parent / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    proc = tune(config, override.replace("DATA", str(bad_data)))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    for word in words:
+        assert word in proc.stderr, (word, proc.stderr[-1000:])
+    assert sorted(os.listdir(out)) == ["notes.txt"]
+
+
+@pytest.mark.parametrize("content", ["{not json", "[]"], ids=["unparseable", "empty"])
+def test_bad_dataset_file(tiny_run, content):
+    from torchtune import config as tt_config
+
+    from torchtune_ext.config import ConfigError
+    from torchtune_ext.data import build_dataloader
+
+    config = tiny_run()
+    (config.parent / "data.json").write_text(content)
+    cfg = OmegaConf.load(config)
+    with pytest.raises(ConfigError, match="'dataset'"):
+        build_dataloader(cfg.dataset, tt_config.instantiate(cfg.tokenizer), batch_size=1, shuffle=False,
+                         seed=0, ignore_index=-100)
+
+
+def test_output_dir_with_checkpoints_is_not_overwritten(tiny_run):
+    config = tiny_run(max_steps_per_epoch=1)
+    assert tune(config).returncode == 0
+    out = config.parent / "out"
+    before = snapshot(out)
+    proc = tune(config)
+    assert proc.returncode == 2 and "resume_from_checkpoint=true" in proc.stderr
+    assert snapshot(out) == before
+
+
+def test_corrupt_checkpoint_is_refused(tiny_run):
+    config = tiny_run(max_steps_per_epoch=1)
+    assert tune(config).returncode == 0
+    ckpt = config.parent / "out/step_1"
+    weights = next(ckpt.glob("model-*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:100])  # truncated
+    proc = tune(config, "resume_from_checkpoint=true")
+    assert proc.returncode == 2 and "resume_from_checkpoint" in proc.stderr and weights.name in proc.stderr
+    manifest = json.loads((ckpt / "checkpoint.json").read_text())
+    assert manifest["step"] == 1
+    shutil.rmtree(ckpt)

@@ -1,0 +1,98 @@
+"""Launcher for the report's control case: a recipe run under the COMMON, INEXACT normalization.
+
+    python -m torchtune_ext.parity_report.control <recipe.py> --config <cfg> [key=value ...]
+
+This is not a training option. It exists so the parity report can show what
+the exactness buys: it patches :func:`torchtune_ext.step.forward_backward`
+in this process only, then runs the recipe the way ``tune run`` runs a local
+recipe file. Nothing in the recipes or the config schema can select it.
+
+The control normalizes each micro-batch by its *own* trainable-token count and
+divides by the number of micro-batches (what most recipes do with a
+mean-reduced loss and ``loss / gradient_accumulation_steps``). A token of a
+short sample then weighs more than a token of a long one, and the result
+depends on how the step is split. Its logged ``loss`` is the quantity it
+optimizes -- the mean of the per-micro-batch means -- so the report's plot
+shows how far that is from the exact step loss.
+"""
+
+import os
+import runpy
+import sys
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torchtune_ext import step
+from torchtune_ext.loss import SummedCrossEntropyLoss
+
+
+def mean_of_means_forward_backward(
+    model: nn.Module,
+    loss_fn: SummedCrossEntropyLoss,
+    micro_batches: Sequence[step.MicroBatch],
+    *,
+    device: torch.device,
+    backward_once_per_step: bool = True,
+    dp_group=None,
+) -> Tuple[torch.Tensor, int, int]:
+    """Drop-in for :func:`torchtune_ext.step.forward_backward` with the inexact normalization.
+
+    Backward runs on ``(summed_loss_i / tokens_i) / M`` for each of the ``M``
+    micro-batches of the step (in both backward modes: the bug does not depend
+    on the mode). A micro-batch with no trainable token is left out of the
+    sum; the common recipe would produce NaN there (0 / 0), which would hide
+    the weighting error this control is meant to show.
+
+    Returns:
+        ``(mean_of_means * num_tokens, num_tokens, num_tokens)``: scaled so that
+        :func:`torchtune_ext.step.train_step`, which logs ``summed_loss /
+        num_tokens``, logs the mean of the per-micro-batch means -- the loss
+        this control actually optimizes.
+
+    Raises:
+        RuntimeError: under data parallelism (the control is single-device).
+    """
+    if dp_group is not None or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        raise RuntimeError("the parity report's control case runs on a single device only")
+    num_micro_batches = len(micro_batches)
+    mean_of_means = torch.zeros((), dtype=torch.float32, device=device)
+    num_tokens = 0
+    for micro_batch in micro_batches:
+        [(inputs, labels)], tokens = step._prepare([micro_batch], device, loss_fn.ignore_index)
+        num_tokens += tokens
+        if tokens == 0:
+            continue
+        micro_mean = loss_fn(step._forward(model, inputs), labels) / tokens
+        (micro_mean / num_micro_batches).backward()
+        mean_of_means = mean_of_means + micro_mean.detach() / num_micro_batches
+    return mean_of_means * num_tokens, num_tokens, num_tokens
+
+
+def recipe_module(recipe: str) -> str:
+    """Module name of a recipe file path, as ``tune run`` derives it: ``recipes/x.py`` -> ``recipes.x``."""
+    return os.path.splitext(recipe)[0].replace("/", ".")
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    """Patch the step, then run ``<recipe.py> --config ... overrides`` as ``tune run`` would.
+
+    The recipe's own ``sys.exit`` ends the process with its exit status.
+    """
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0].startswith("-"):
+        sys.exit("usage: python -m torchtune_ext.parity_report.control <recipe.py> --config <cfg> [key=value ...]")
+    recipe, recipe_args = argv[0], argv[1:]
+    # train_step looks forward_backward up in the step module at call time, so
+    # replacing the module attribute reaches every recipe that uses train_step.
+    step.forward_backward = mean_of_means_forward_backward
+    module = recipe_module(recipe)
+    sys.path.append(os.getcwd())  # as tune run does, so a recipe next to the config is importable
+    sys.argv = [module, *recipe_args]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main()
