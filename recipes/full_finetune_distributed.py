@@ -49,21 +49,15 @@ class FullFinetuneRecipeDistributed:
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
         cfg = self.cfg
-        self._checkpoints = CheckpointManager(cfg.checkpointer, cfg.output_dir, cfg.keep_last_n_checkpoints)
         resume_from = latest_checkpoint(cfg.output_dir) if cfg.resume_from_checkpoint else None
-        checkpoint = self._checkpoints.load(resume_from)
-        resumed: Dict[str, Any] = {}
-        if resume_from is not None:
-            resumed = load_recipe_state(resume_from, restore_rng=False)
+        resumed: Dict[str, Any] = load_recipe_state(resume_from) if resume_from else {}
+        if resumed:
             self.progress = resumed["progress"]
             utils.log_rank_zero(log, f"Resuming from {resume_from} (step {self.progress.step})")
 
-        self._metric_logger = build_metric_logger(cfg, rank=self._rank)
-        self._metric_logger.log_config(cfg)
-        self._loss_fn = self._setup_loss(cfg.loss)
-        self._model = self._setup_model(cfg.model, checkpoint[training.MODEL_KEY])
+        # Data first: a bad dataset fails before anything is loaded or written.
         self._tokenizer = config.instantiate(cfg.tokenizer)
-        self._optimizer = self._setup_optimizer(cfg.optimizer, resumed.get(training.OPT_KEY))
+        self._loss_fn = self._setup_loss(cfg.loss)
         self._dataloader, self._sampler = build_dataloader(
             cfg.dataset, self._tokenizer, batch_size=cfg.batch_size, shuffle=cfg.shuffle,
             seed=self.progress.seed, ignore_index=self._loss_fn.ignore_index,
@@ -72,10 +66,24 @@ class FullFinetuneRecipeDistributed:
         self._steps_per_epoch = steps_per_epoch(
             len(self._dataloader), cfg.gradient_accumulation_steps, cfg.max_steps_per_epoch
         )
-        self._lr_scheduler = self._setup_lr_scheduler(cfg.lr_scheduler, resumed.get("lr_scheduler"))
+
+        self._checkpoints = CheckpointManager(cfg.checkpointer, cfg.output_dir, cfg.keep_last_n_checkpoints)
+        checkpoint = self._checkpoints.load(resume_from)
+        self._model = self._setup_model(cfg.model, checkpoint[training.MODEL_KEY], resume_from)
+        self._optimizer = config.instantiate(cfg.optimizer, self._model.parameters())
+        self._lr_scheduler = self._setup_lr_scheduler(cfg.lr_scheduler)
         if resumed:
-            # Last: building the model drew random numbers (weight init).
-            distributed.set_rank_rng_state(resumed)
+            # after the scheduler exists: building it resets the optimizer's lr
+            distributed.load_full_optimizer_state_dict(
+                self._model, self._optimizer, resumed[training.OPT_KEY], self._device
+            )
+            if self._lr_scheduler is not None:
+                self._lr_scheduler.load_state_dict(resumed["lr_scheduler"])
+
+        self._metric_logger = build_metric_logger(cfg, rank=self._rank, resume=bool(resumed))
+        self._metric_logger.log_config(cfg)
+        if resumed:
+            distributed.set_rank_rng_state(resumed)  # last: building the model consumed random numbers
 
     def _setup_loss(self, cfg_loss: DictConfig) -> SummedCrossEntropyLoss:
         loss_fn = config.instantiate(cfg_loss)
@@ -88,7 +96,7 @@ class FullFinetuneRecipeDistributed:
             loss_fn.compile_chunk()
         return loss_fn
 
-    def _setup_model(self, cfg_model: DictConfig, state_dict: Dict[str, Any]) -> torch.nn.Module:
+    def _setup_model(self, cfg_model: DictConfig, state_dict: Dict[str, Any], source) -> torch.nn.Module:
         # Built on the meta device: no rank materializes the full model; each
         # receives only its shard when the weights are loaded.
         with training.set_default_dtype(self._dtype), torch.device("meta"):
@@ -98,31 +106,20 @@ class FullFinetuneRecipeDistributed:
         if self.cfg.compile:
             training.compile_model(model)
         distributed.shard_model(model, self._device, cpu_offload=self.cfg.fsdp_cpu_offload)
-        distributed.load_full_model_state_dict(model, state_dict, self._device, cpu_offload=self.cfg.fsdp_cpu_offload)
+        distributed.load_full_model_state_dict(model, state_dict, self._device, cpu_offload=self.cfg.fsdp_cpu_offload,
+                                               source=source or self.cfg.checkpointer.checkpoint_dir)
         training.validate_expected_param_dtype(model.named_parameters(), dtype=self._dtype)
         model.set_num_output_chunks(self._loss_fn.num_output_chunks)
         utils.log_rank_zero(log, f"Model: {sum(p.numel() for p in model.parameters()):,} parameters, "
                                  f"{self._dtype} on {self._device}, FSDP2 over {self._world_size} ranks")
         return model
 
-    def _setup_optimizer(self, cfg_optimizer: DictConfig, state: Optional[dict]) -> torch.optim.Optimizer:
-        optimizer = config.instantiate(cfg_optimizer, self._model.parameters())
-        if state is not None:
-            distributed.load_full_optimizer_state_dict(self._model, optimizer, state, self._device)
-        return optimizer
-
-    def _setup_lr_scheduler(self, cfg_lr_scheduler: Optional[DictConfig], state: Optional[dict]):
+    def _setup_lr_scheduler(self, cfg_lr_scheduler: Optional[DictConfig]):
         if recipe_config.enabled(cfg_lr_scheduler) is None:
             return None
-        scheduler = config.instantiate(
+        return config.instantiate(
             cfg_lr_scheduler, self._optimizer, num_training_steps=self.cfg.epochs * self._steps_per_epoch
         )
-        if state is not None:
-            scheduler.load_state_dict(state)
-            # Building the scheduler set the optimizer's lr to that of step 0.
-            for group, lr in zip(self._optimizer.param_groups, scheduler.get_last_lr()):
-                group["lr"] = lr
-        return scheduler
 
     # ------------------------------------------------------------------ train
     def train(self) -> None:
@@ -166,7 +163,8 @@ class FullFinetuneRecipeDistributed:
                     self.save_checkpoint()
             progress.epoch += 1
             progress.steps_in_epoch = 0
-            self.save_checkpoint()
+            if progress.epoch < cfg.epochs or cfg.save_final_checkpoint:
+                self.save_checkpoint()
         bar.close()
 
     # ------------------------------------------------------------- checkpoint
@@ -190,7 +188,8 @@ class FullFinetuneRecipeDistributed:
 def recipe_main(cfg: DictConfig) -> None:
     cfg = recipe_config.validate(cfg, extra_keys=recipe_config.DISTRIBUTED_KEYS)
     recipe = FullFinetuneRecipeDistributed(cfg)
-    recipe.setup()
+    with recipe_config.output_dir_unchanged_on_error(cfg.output_dir):
+        recipe.setup()
     recipe.train()
     recipe.cleanup()
 

@@ -63,21 +63,15 @@ class LoRAFinetuneRecipeDistributed:
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
         cfg = self.cfg
-        self._checkpoints = CheckpointManager(cfg.checkpointer, cfg.output_dir, cfg.keep_last_n_checkpoints)
         resume_from = latest_checkpoint(cfg.output_dir) if cfg.resume_from_checkpoint else None
-        checkpoint = self._checkpoints.load(resume_from, adapter=True)
-        resumed: Dict[str, Any] = {}
-        if resume_from is not None:
-            resumed = load_recipe_state(resume_from, restore_rng=False)
+        resumed: Dict[str, Any] = load_recipe_state(resume_from) if resume_from else {}
+        if resumed:
             self.progress = resumed["progress"]
             utils.log_rank_zero(log, f"Resuming from {resume_from} (step {self.progress.step})")
 
-        self._metric_logger = build_metric_logger(cfg, rank=self._rank)
-        self._metric_logger.log_config(cfg)
-        self._loss_fn = self._setup_loss(cfg.loss)
-        self._model = self._setup_model(cfg.model, checkpoint[training.MODEL_KEY], checkpoint.get(training.ADAPTER_KEY))
+        # Data first: a bad dataset fails before anything is loaded or written.
         self._tokenizer = config.instantiate(cfg.tokenizer)
-        self._optimizer = self._setup_optimizer(cfg.optimizer, resumed.get(training.OPT_KEY))
+        self._loss_fn = self._setup_loss(cfg.loss)
         self._dataloader, self._sampler = build_dataloader(
             cfg.dataset, self._tokenizer, batch_size=cfg.batch_size, shuffle=cfg.shuffle,
             seed=self.progress.seed, ignore_index=self._loss_fn.ignore_index,
@@ -86,10 +80,25 @@ class LoRAFinetuneRecipeDistributed:
         self._steps_per_epoch = steps_per_epoch(
             len(self._dataloader), cfg.gradient_accumulation_steps, cfg.max_steps_per_epoch
         )
-        self._lr_scheduler = self._setup_lr_scheduler(cfg.lr_scheduler, resumed.get("lr_scheduler"))
+
+        self._checkpoints = CheckpointManager(cfg.checkpointer, cfg.output_dir, cfg.keep_last_n_checkpoints)
+        checkpoint = self._checkpoints.load(resume_from, adapter=True)
+        self._model = self._setup_model(cfg.model, checkpoint[training.MODEL_KEY], checkpoint.get(training.ADAPTER_KEY))
+        # Only the adapter: the step's grad_norm and clipping cover exactly what trains.
+        self._optimizer = config.instantiate(cfg.optimizer, self._adapter_params.values())
+        self._lr_scheduler = self._setup_lr_scheduler(cfg.lr_scheduler)
         if resumed:
-            # Last: building the model drew random numbers (adapter init); lora_dropout draws more.
-            distributed.set_rank_rng_state(resumed)
+            # after the scheduler exists: building it resets the optimizer's lr
+            distributed.load_full_optimizer_state_dict(
+                self._model, self._optimizer, resumed[training.OPT_KEY], self._device
+            )
+            if self._lr_scheduler is not None:
+                self._lr_scheduler.load_state_dict(resumed["lr_scheduler"])
+
+        self._metric_logger = build_metric_logger(cfg, rank=self._rank, resume=bool(resumed))
+        self._metric_logger.log_config(cfg)
+        if resumed:
+            distributed.set_rank_rng_state(resumed)  # last: building the model drew random numbers; lora_dropout draws more
 
     def _setup_loss(self, cfg_loss: DictConfig) -> SummedCrossEntropyLoss:
         loss_fn = config.instantiate(cfg_loss)
@@ -124,7 +133,8 @@ class LoRAFinetuneRecipeDistributed:
         offload = self.cfg.fsdp_cpu_offload
         distributed.shard_model(model, self._device, cpu_offload=offload)
         base_missing, base_unexpected = distributed.load_full_model_state_dict(
-            model, base_state, self._device, cpu_offload=offload, strict=False
+            model, base_state, self._device, cpu_offload=offload, strict=False,
+            source=self.cfg.checkpointer.checkpoint_dir,
         )
         for module in model.modules():
             if hasattr(module, "initialize_dora_magnitude"):
@@ -135,7 +145,7 @@ class LoRAFinetuneRecipeDistributed:
                 adapter_missing, adapter_unexpected = distributed.load_full_model_state_dict(
                     model, adapter_state, self._device, cpu_offload=offload, strict=False
                 )
-            except RuntimeError as err:  # shape mismatch: lora_rank changed since the checkpoint
+            except recipe_config.ConfigError as err:  # shape mismatch: lora_rank changed since the checkpoint
                 raise recipe_config.ConfigError(
                     "resume_from_checkpoint", f"the saved adapter does not fit model.lora_rank: resume with the "
                     f"LoRA settings it was trained with ({err})") from None
@@ -155,25 +165,12 @@ class LoRAFinetuneRecipeDistributed:
                                  f"FSDP2 over {self._world_size} ranks")
         return model
 
-    def _setup_optimizer(self, cfg_optimizer: DictConfig, state: Optional[dict]) -> torch.optim.Optimizer:
-        # Only the adapter: the step's grad_norm and clipping cover exactly what trains.
-        optimizer = config.instantiate(cfg_optimizer, self._adapter_params.values())
-        if state is not None:
-            distributed.load_full_optimizer_state_dict(self._model, optimizer, state, self._device)
-        return optimizer
-
-    def _setup_lr_scheduler(self, cfg_lr_scheduler: Optional[DictConfig], state: Optional[dict]):
+    def _setup_lr_scheduler(self, cfg_lr_scheduler: Optional[DictConfig]):
         if recipe_config.enabled(cfg_lr_scheduler) is None:
             return None
-        scheduler = config.instantiate(
+        return config.instantiate(
             cfg_lr_scheduler, self._optimizer, num_training_steps=self.cfg.epochs * self._steps_per_epoch
         )
-        if state is not None:
-            scheduler.load_state_dict(state)
-            # Building the scheduler set the optimizer's lr to that of step 0.
-            for group, lr in zip(self._optimizer.param_groups, scheduler.get_last_lr()):
-                group["lr"] = lr
-        return scheduler
 
     # ------------------------------------------------------------------ train
     def train(self) -> None:
@@ -217,7 +214,8 @@ class LoRAFinetuneRecipeDistributed:
                     self.save_checkpoint()
             progress.epoch += 1
             progress.steps_in_epoch = 0
-            self.save_checkpoint()
+            if progress.epoch < cfg.epochs or cfg.save_final_checkpoint:
+                self.save_checkpoint()
         bar.close()
 
     # ------------------------------------------------------------- checkpoint
@@ -267,7 +265,8 @@ class LoRAFinetuneRecipeDistributed:
 def recipe_main(cfg: DictConfig) -> None:
     cfg = recipe_config.validate(cfg, extra_keys={**recipe_config.LORA_KEYS, **recipe_config.DISTRIBUTED_KEYS})
     recipe = LoRAFinetuneRecipeDistributed(cfg)
-    recipe.setup()
+    with recipe_config.output_dir_unchanged_on_error(cfg.output_dir):
+        recipe.setup()
     recipe.train()
     recipe.cleanup()
 

@@ -25,9 +25,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
+from torch.nn.modules.module import _IncompatibleKeys
 from torchtune import training
 
 from torchtune_ext.checkpoint import rng_state, set_rng_state
+from torchtune_ext.config import ConfigError
 
 # recipe_state entry: every rank's RNG states, in rank order
 RNG_BY_RANK = "rng_by_rank"
@@ -116,6 +118,7 @@ def load_full_model_state_dict(
     *,
     cpu_offload: bool = False,
     strict: bool = True,
+    source: str = "the checkpoint",
 ) -> Any:
     """Load an unsharded state dict (e.g. from the HF checkpointer) into a sharded model.
 
@@ -127,24 +130,37 @@ def load_full_model_state_dict(
     Args:
         strict: False loads a subset (LoRA: base weights, then the adapter);
             the caller checks the returned keys.
+        source: where the weights came from, for error messages.
 
     Returns:
         ``(missing_keys, unexpected_keys)`` as ``nn.Module.load_state_dict``.
 
     Raises:
-        RuntimeError: on missing or unexpected keys (strict), a shape
-            mismatch, or if a parameter or buffer is still on the meta device
-            afterwards.
+        ConfigError: (key ``checkpointer.checkpoint_dir``) if a key (strict)
+            or a shape of the state dict does not fit the model.
+        RuntimeError: if a parameter or buffer is still on the meta device afterwards.
     """
-    with device:
-        for module in model.modules():
-            if hasattr(module, "rope_init"):
-                module.rope_init()
-    keys = training.load_from_full_model_state_dict(
-        model, full_state_dict, device, strict=strict, cpu_offload=cpu_offload
-    )
+    expected = set(model.state_dict())
+    unexpected = [key for key in full_state_dict if key not in expected]
+    try:
+        if strict and unexpected:
+            raise RuntimeError(f"Unexpected key(s) in state_dict: {', '.join(unexpected[:5])}")
+        with device:
+            for module in model.modules():
+                if hasattr(module, "rope_init"):
+                    module.rope_init()
+        # torchtune's loader fails on keys the model lacks: report them instead
+        known = {k: v for k, v in full_state_dict.items() if k in expected}
+        keys = training.load_from_full_model_state_dict(model, known, device, strict=strict, cpu_offload=cpu_offload)
+    except RuntimeError as err:
+        detail = "; ".join(line.strip() for line in str(err).splitlines()[:4] if line.strip())
+        raise ConfigError(
+            "checkpointer.checkpoint_dir",
+            f"the weights in '{source}' do not fit the configured model ({detail}). "
+            "Check that `model` matches the checkpoint's architecture.",
+        ) from err
     training.validate_no_params_on_meta_device(model)
-    return keys
+    return _IncompatibleKeys(list(keys.missing_keys), list(keys.unexpected_keys) + unexpected)
 
 
 def gather_full_model_state_dict(model: nn.Module, device: torch.device) -> Dict[str, torch.Tensor]:
