@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from helpers import (
     read_jsonl, recipe_class, rel_diff, run_recipe, run_tune, tiny_recipe_config, write_tiny_hf_checkpoint,
 )
+from torchtune_ext import distributed
 from torchtune_ext.config import DISTRIBUTED_KEYS, ConfigError, validate
 from wandb_reader import read_offline_run
 
@@ -93,3 +94,14 @@ def test_config_checks_the_distributed_keys(smollm2_assets, tmp_path):
     with pytest.raises(ConfigError, match="'fsdp_cpu_offload'"):
         validate(cfg, extra_keys=DISTRIBUTED_KEYS)
     assert validate(OmegaConf.load(CONFIG), extra_keys=DISTRIBUTED_KEYS).fsdp_cpu_offload is False
+
+
+def test_weights_that_do_not_fit_are_a_config_error(smollm2_assets, tmp_path):
+    cfg = tiny_config(smollm2_assets, tmp_path, tmp_path / "run", "model.embed_dim=32", "model.num_heads=2",
+                      "model.num_kv_heads=1")
+    recipe = recipe_class(RECIPE, "FullFinetuneRecipeDistributed")(validate(cfg, extra_keys=DISTRIBUTED_KEYS))
+    try:
+        with pytest.raises(ConfigError, match="'checkpointer.checkpoint_dir'.*size mismatch"):
+            recipe.setup()
+    finally:
+        distributed.destroy_process_group()
