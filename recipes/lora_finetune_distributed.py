@@ -32,15 +32,20 @@ from torchtune.modules.peft import (
     set_trainable_params,
     validate_missing_and_unexpected_for_lora,
 )
-from tqdm import tqdm
 
 from torchtune_ext import config as recipe_config
 from torchtune_ext import distributed
-from torchtune_ext.checkpoint import CheckpointManager, Progress, latest_checkpoint, load_recipe_state
-from torchtune_ext.data import build_dataloader
-from torchtune_ext.loss import SummedCrossEntropyLoss
-from torchtune_ext.metrics import StepTimer, build_metric_logger, progress_description, reset_peak_memory, step_record
-from torchtune_ext.step import NonFiniteError, micro_batch_windows, steps_per_epoch, train_step
+from torchtune_ext.checkpoint import (
+    CheckpointManager,
+    Progress,
+    latest_checkpoint,
+    load_recipe_state,
+    nonfinite_error,
+)
+from torchtune_ext.data import build_dataloader, epoch_windows
+from torchtune_ext.loss import build_loss
+from torchtune_ext.metrics import StepReporter, build_metric_logger
+from torchtune_ext.step import NonFiniteError, build_lr_scheduler, steps_per_epoch, train_step
 
 log = utils.get_logger("INFO")
 
@@ -71,7 +76,7 @@ class LoRAFinetuneRecipeDistributed:
 
         # Data first: a bad dataset fails before anything is loaded or written.
         self._tokenizer = config.instantiate(cfg.tokenizer)
-        self._loss_fn = self._setup_loss(cfg.loss)
+        self._loss_fn = build_loss(cfg.loss, compile=cfg.compile)
         self._dataloader, self._sampler = build_dataloader(
             cfg.dataset, self._tokenizer, batch_size=cfg.batch_size, shuffle=cfg.shuffle,
             seed=self.progress.seed, ignore_index=self._loss_fn.ignore_index,
@@ -86,7 +91,8 @@ class LoRAFinetuneRecipeDistributed:
         self._model = self._setup_model(cfg.model, checkpoint[training.MODEL_KEY], checkpoint.get(training.ADAPTER_KEY))
         # Only the adapter: the step's grad_norm and clipping cover exactly what trains.
         self._optimizer = config.instantiate(cfg.optimizer, self._adapter_params.values())
-        self._lr_scheduler = self._setup_lr_scheduler(cfg.lr_scheduler)
+        self._lr_scheduler = build_lr_scheduler(cfg.lr_scheduler, self._optimizer,
+                                                cfg.epochs * self._steps_per_epoch)
         if resumed:
             # after the scheduler exists: building it resets the optimizer's lr
             distributed.load_full_optimizer_state_dict(
@@ -99,17 +105,6 @@ class LoRAFinetuneRecipeDistributed:
         self._metric_logger.log_config(cfg)
         if resumed:
             distributed.set_rank_rng_state(resumed)  # last: building the model drew random numbers; lora_dropout draws more
-
-    def _setup_loss(self, cfg_loss: DictConfig) -> SummedCrossEntropyLoss:
-        loss_fn = config.instantiate(cfg_loss)
-        if not isinstance(loss_fn, SummedCrossEntropyLoss):
-            raise recipe_config.ConfigError(
-                "loss", "must be torchtune_ext.loss.SummedCrossEntropyLoss (sum-reduced); "
-                "a mean-reduced loss cannot be normalized exactly across micro-batches"
-            )
-        if self.cfg.compile:
-            loss_fn.compile_chunk()
-        return loss_fn
 
     def _setup_model(self, cfg_model: DictConfig, base_state: Dict[str, Any],
                      adapter_state: Optional[Dict[str, Any]]) -> torch.nn.Module:
@@ -165,26 +160,16 @@ class LoRAFinetuneRecipeDistributed:
                                  f"FSDP2 over {self._world_size} ranks")
         return model
 
-    def _setup_lr_scheduler(self, cfg_lr_scheduler: Optional[DictConfig]):
-        if recipe_config.enabled(cfg_lr_scheduler) is None:
-            return None
-        return config.instantiate(
-            cfg_lr_scheduler, self._optimizer, num_training_steps=self.cfg.epochs * self._steps_per_epoch
-        )
-
     # ------------------------------------------------------------------ train
     def train(self) -> None:
         cfg, progress = self.cfg, self.progress
-        timer = StepTimer(self._device)
-        bar = tqdm(total=cfg.epochs * self._steps_per_epoch, initial=progress.step, dynamic_ncols=True,
-                   disable=self._rank != 0)
+        reporter = StepReporter(self._metric_logger, self._device, total_steps=cfg.epochs * self._steps_per_epoch,
+                                initial_step=progress.step, log_every_n_steps=cfg.log_every_n_steps,
+                                dp_world_size=self._world_size, rank=self._rank)
         while progress.epoch < cfg.epochs:
-            done_in_epoch = progress.steps_in_epoch
-            self._sampler.set_epoch(progress.epoch, start=done_in_epoch * cfg.gradient_accumulation_steps * cfg.batch_size)
-            remaining = None if cfg.max_steps_per_epoch is None else cfg.max_steps_per_epoch - done_in_epoch
-            for micro_batches in micro_batch_windows(self._dataloader, cfg.gradient_accumulation_steps, remaining):
-                reset_peak_memory(self._device)
-                timer.start()
+            for micro_batches in epoch_windows(self._dataloader, self._sampler, progress.epoch, progress.steps_in_epoch,
+                                               cfg.gradient_accumulation_steps, cfg.max_steps_per_epoch):
+                reporter.start_step()
                 lr = training.get_lr(self._optimizer)
                 try:
                     result = train_step(
@@ -193,30 +178,18 @@ class LoRAFinetuneRecipeDistributed:
                         skip_nonfinite_steps=cfg.skip_nonfinite_steps, step=progress.step + 1,
                     )
                 except NonFiniteError as err:
-                    last = latest_checkpoint(cfg.output_dir)
-                    raise RuntimeError(
-                        f"{err}. Last good checkpoint: {last or 'none (only the base model)'}. Resume with "
-                        "resume_from_checkpoint=true, or set skip_nonfinite_steps=true to skip such steps."
-                    ) from err
+                    raise nonfinite_error(err, cfg.output_dir) from err
                 if self._lr_scheduler is not None:
                     self._lr_scheduler.step()
-                progress.step += 1
-                progress.steps_in_epoch += 1
-                progress.skipped_steps += result.skipped is not None
-                record = step_record(result, step=progress.step, epoch=progress.epoch, lr=lr,
-                                     step_seconds=timer.stop(), device=self._device,
-                                     dp_world_size=self._world_size, skipped_steps=progress.skipped_steps)
-                if progress.step % cfg.log_every_n_steps == 0:
-                    self._metric_logger.log(record)
-                bar.update(1)
-                bar.set_description(progress_description(record))
+                progress.complete_step(skipped=result.skipped is not None)
+                reporter.end_step(result, step=progress.step, epoch=progress.epoch, lr=lr,
+                                  skipped_steps=progress.skipped_steps)
                 if cfg.save_every_n_steps and progress.step % cfg.save_every_n_steps == 0:
                     self.save_checkpoint()
-            progress.epoch += 1
-            progress.steps_in_epoch = 0
+            progress.complete_epoch()
             if progress.epoch < cfg.epochs or cfg.save_final_checkpoint:
                 self.save_checkpoint()
-        bar.close()
+        reporter.close()
 
     # ------------------------------------------------------------- checkpoint
     def save_checkpoint(self) -> None:

@@ -76,8 +76,8 @@ def write_tiny_setup(root: Path, num_samples: int = 16, metric_logger: bool = Tr
     write_checkpoint(ckpt, vocab_size)
     write_dataset(root / "data.json", num_samples)
     logger = (
-        f"metric_logger:\n  _component_: torchtune.training.metric_logging.WandBLogger\n"
-        f"  project: parity-test\n  mode: offline\n  log_dir: ${{output_dir}}/logs\n"
+        "metric_logger:\n  _component_: torchtune.training.metric_logging.WandBLogger\n"
+        "  project: parity-test\n  mode: offline\n  log_dir: ${output_dir}/logs\n"
         if metric_logger else "metric_logger: null\n"
     )
     config = root / "tiny.yaml"

@@ -68,6 +68,25 @@ class Progress:
     skipped_steps: int = 0
     seed: int = 0
 
+    def complete_step(self, skipped: bool) -> None:
+        """Count a finished optimizer step (``skipped``: it did not update)."""
+        self.step += 1
+        self.steps_in_epoch += 1
+        self.skipped_steps += bool(skipped)
+
+    def complete_epoch(self) -> None:
+        self.epoch += 1
+        self.steps_in_epoch = 0
+
+
+def nonfinite_error(err: Exception, output_dir: str) -> RuntimeError:
+    """The error a recipe raises for a non-finite step: what, where, and how to go on."""
+    last = latest_checkpoint(output_dir)
+    return RuntimeError(
+        f"{err}. Last good checkpoint: {last or 'none (only the base model)'}. Resume with "
+        "resume_from_checkpoint=true, or set skip_nonfinite_steps=true to skip such steps."
+    )
+
 
 def rng_state() -> Dict[str, Any]:
     """RNG states of Python, NumPy, torch CPU and (if present) CUDA."""

@@ -2,7 +2,7 @@
 
 import itertools
 from functools import partial
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from omegaconf import ListConfig
@@ -11,6 +11,7 @@ from torchtune import config as tt_config
 from torchtune.data import padded_collate_packed, padded_collate_sft
 
 from torchtune_ext.config import ConfigError
+from torchtune_ext.step import micro_batch_windows
 
 
 class ResumableSampler(DistributedSampler):
@@ -153,3 +154,20 @@ def build_dataloader(
     )
     return loader, sampler
 
+
+
+def epoch_windows(
+    loader: DataLoader, sampler: ResumableSampler, epoch: int, steps_done: int,
+    gradient_accumulation_steps: int, max_steps_per_epoch: Optional[int] = None,
+) -> Iterator[List[Dict[str, Any]]]:
+    """The optimizer-step windows of ``epoch`` that remain after ``steps_done``.
+
+    Reshuffles for ``epoch`` (same order on every rank and at every world size
+    for the seed), skips the samples of the first ``steps_done`` windows
+    without loading them (resume), and yields windows of
+    ``gradient_accumulation_steps`` micro-batches, the last possibly shorter,
+    at most ``max_steps_per_epoch`` per epoch in total.
+    """
+    sampler.set_epoch(epoch, start=steps_done * gradient_accumulation_steps * loader.batch_size)
+    remaining = None if max_steps_per_epoch is None else max_steps_per_epoch - steps_done
+    return micro_batch_windows(loader, gradient_accumulation_steps, remaining)

@@ -97,3 +97,29 @@ class SummedCrossEntropyLoss(nn.Module):
         for chunk, labels in zip(logits, label_chunks):
             total = total + self._chunk_sum(chunk, labels)
         return total
+
+
+def build_loss(cfg_loss, compile: bool = False) -> SummedCrossEntropyLoss:
+    """Instantiate the recipe's ``loss`` config and check it is sum-reduced.
+
+    Args:
+        cfg_loss: the ``loss`` config node (``_component_`` plus arguments).
+        compile (bool): compile the per-chunk loss (the recipe's ``compile`` key).
+
+    Raises:
+        ConfigError: (key ``loss``) if it is not a :class:`SummedCrossEntropyLoss`:
+            a mean-reduced loss cannot be normalized exactly across micro-batches.
+    """
+    from torchtune import config as tt_config
+
+    from torchtune_ext.config import ConfigError
+
+    loss_fn = tt_config.instantiate(cfg_loss)
+    if not isinstance(loss_fn, SummedCrossEntropyLoss):
+        raise ConfigError(
+            "loss", "must be torchtune_ext.loss.SummedCrossEntropyLoss (sum-reduced); "
+            "a mean-reduced loss cannot be normalized exactly across micro-batches"
+        )
+    if compile:
+        loss_fn.compile_chunk()
+    return loss_fn

@@ -188,6 +188,46 @@ def build_metric_logger(cfg: DictConfig, rank: int, resume: bool = False) -> Met
     return MetricLogger(logs / "metrics.jsonl", backend, rank)
 
 
+class StepReporter:
+    """Times each optimizer step, logs its record and drives the progress bar.
+
+    Args:
+        logger: the run's :class:`MetricLogger` (it knows rank zero).
+        device: the training device (CUDA is synchronized for timing and
+            its peak memory is tracked per step).
+        total_steps (int): optimizer steps of the whole run, for the bar.
+        initial_step (int): steps already done (resume).
+        log_every_n_steps (int): log every n-th step's record.
+        dp_world_size (int): data-parallel ranks; the bar shows on rank 0 only.
+    """
+
+    def __init__(self, logger: MetricLogger, device: torch.device, *, total_steps: int, initial_step: int = 0,
+                 log_every_n_steps: int = 1, dp_world_size: int = 1, rank: int = 0):
+        from tqdm import tqdm
+
+        self._logger, self._device = logger, device
+        self._log_every, self._dp_world_size = log_every_n_steps, dp_world_size
+        self._timer = StepTimer(device)
+        self._bar = tqdm(total=total_steps, initial=initial_step, dynamic_ncols=True, disable=rank != 0)
+
+    def start_step(self) -> None:
+        reset_peak_memory(self._device)
+        self._timer.start()
+
+    def end_step(self, result: StepResult, *, step: int, epoch: int, lr: float, skipped_steps: int) -> Dict[str, Any]:
+        """Build the step's record (see :func:`step_record`), log it if due, advance the bar."""
+        record = step_record(result, step=step, epoch=epoch, lr=lr, step_seconds=self._timer.stop(),
+                             device=self._device, dp_world_size=self._dp_world_size, skipped_steps=skipped_steps)
+        if step % self._log_every == 0:
+            self._logger.log(record)
+        self._bar.update(1)
+        self._bar.set_description(progress_description(record))
+        return record
+
+    def close(self) -> None:
+        self._bar.close()
+
+
 def progress_description(record: Mapping[str, Any]) -> str:
     """Short text for the progress bar: step, loss, tokens/sec."""
     loss = record.get("loss")

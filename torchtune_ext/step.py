@@ -112,6 +112,22 @@ def steps_per_epoch(num_micro_batches: int, gradient_accumulation_steps: int, ma
     return steps if max_steps is None else min(steps, max_steps)
 
 
+def build_lr_scheduler(cfg_lr_scheduler: Any, optimizer: torch.optim.Optimizer, num_training_steps: int):
+    """Instantiate the ``lr_scheduler`` config for ``num_training_steps`` optimizer steps.
+
+    ``num_training_steps`` is ``epochs * steps_per_epoch(...)``: it counts
+    optimizer steps, short end-of-epoch windows included. Returns None when
+    the config is null (or ``lr_scheduler=null`` on the command line).
+    """
+    from torchtune import config as tt_config
+
+    from torchtune_ext.config import enabled
+
+    if enabled(cfg_lr_scheduler) is None:
+        return None
+    return tt_config.instantiate(cfg_lr_scheduler, optimizer, num_training_steps=num_training_steps)
+
+
 def _prepare(
     micro_batches: Sequence[MicroBatch], device: torch.device, ignore_index: int
 ) -> Tuple[List[Tuple[MicroBatch, torch.Tensor]], int]:
