@@ -24,14 +24,7 @@ from typing import Any, Dict, Optional
 import torch
 from omegaconf import DictConfig
 from torchtune import config, modules, training, utils
-from torchtune.modules.peft import (
-    get_adapter_params,
-    get_adapter_state_dict,
-    get_lora_module_names,
-    get_merged_lora_ckpt,
-    set_trainable_params,
-    validate_missing_and_unexpected_for_lora,
-)
+from torchtune.modules.peft import get_adapter_params, set_trainable_params, validate_missing_and_unexpected_for_lora
 
 from torchtune_ext import config as recipe_config
 from torchtune_ext import distributed
@@ -39,6 +32,7 @@ from torchtune_ext.checkpoint import (
     CheckpointManager,
     Progress,
     latest_checkpoint,
+    lora_checkpoint_state,
     load_recipe_state,
     nonfinite_error,
 )
@@ -198,35 +192,11 @@ class LoRAFinetuneRecipeDistributed:
                         distributed.RNG_BY_RANK: distributed.gather_rng_states()}
         if self._lr_scheduler is not None:
             recipe_state["lr_scheduler"] = self._lr_scheduler.state_dict()
-        path = self._checkpoints.save(self._checkpoint_state(), self.progress, recipe_state,
+        model_state = distributed.gather_full_model_state_dict(self._model, self._device)
+        state = lora_checkpoint_state(model_state, self.cfg.model, self.cfg.save_adapter_weights_only)
+        path = self._checkpoints.save(state, self.progress, recipe_state,
                                       adapter_only=self.cfg.save_adapter_weights_only)
         utils.log_rank_zero(log, f"Checkpoint saved: {path}")
-
-    def _checkpoint_state(self) -> Dict[str, Any]:
-        """The adapter, its PEFT config and, unless adapter-only, the merged model (CPU tensors).
-
-        Every rank takes part in gathering; the dicts are full on rank 0, empty elsewhere.
-        """
-        lora = self.cfg.model
-        model_state = distributed.gather_full_model_state_dict(self._model, self._device)
-        state: Dict[str, Any] = {
-            training.ADAPTER_KEY: get_adapter_state_dict(model_state),
-            training.ADAPTER_CONFIG: {
-                "r": lora.lora_rank,
-                "lora_alpha": lora.lora_alpha,
-                "target_modules": get_lora_module_names(
-                    list(lora.lora_attn_modules), lora.apply_lora_to_mlp, lora.apply_lora_to_output
-                ),
-                "peft_type": "LORA",
-                "use_dora": any(name.endswith("magnitude") for name in self._adapter_params),
-            },
-        }
-        if not self.cfg.save_adapter_weights_only:
-            # Copies: the merge adds to the base weights in place, and on one CPU
-            # rank the gathered tensors can be the model's own frozen weights.
-            merged = {k: v.detach().to("cpu", copy=True) for k, v in model_state.items()}
-            state[training.MODEL_KEY] = get_merged_lora_ckpt(merged, rank=lora.lora_rank, alpha=lora.lora_alpha)
-        return state
 
     def cleanup(self) -> None:
         self._metric_logger.close()

@@ -322,3 +322,40 @@ def load_model_state(model: torch.nn.Module, state_dict: Dict[str, Any], source:
             f"the checkpoint in '{source}' does not fit the configured model ({detail or err}). "
             "Check that `model` matches the checkpoint's architecture.",
         ) from err
+
+
+def lora_checkpoint_state(model_state: Dict[str, Any], cfg_model: DictConfig, adapter_only: bool) -> Dict[str, Any]:
+    """What a LoRA recipe hands to :meth:`CheckpointManager.save`.
+
+    Args:
+        model_state: the full model state dict (base and adapter), on CPU;
+            may be empty (ranks other than 0 after a gather).
+        cfg_model: the ``model`` config with ``lora_rank``, ``lora_alpha``,
+            ``lora_attn_modules``, ``apply_lora_to_mlp``, ``apply_lora_to_output``.
+        adapter_only: skip the merged model.
+
+    Returns:
+        ``adapter`` (the adapter weights), ``adapter_config`` (for PEFT's
+        ``adapter_config.json``) and, unless ``adapter_only``, ``model``: the
+        merged weights W + (alpha / rank) B A, computed on copies so the
+        model's own frozen weights never change.
+    """
+    from torchtune.modules.peft import get_adapter_state_dict, get_lora_module_names, get_merged_lora_ckpt
+
+    state: Dict[str, Any] = {
+        training.ADAPTER_KEY: get_adapter_state_dict(model_state),
+        training.ADAPTER_CONFIG: {
+            "r": cfg_model.lora_rank,
+            "lora_alpha": cfg_model.lora_alpha,
+            "target_modules": get_lora_module_names(
+                list(cfg_model.lora_attn_modules), cfg_model.apply_lora_to_mlp, cfg_model.apply_lora_to_output
+            ),
+            "peft_type": "LORA",
+            "use_dora": bool(cfg_model.get("use_dora", False)),
+        },
+    }
+    if not adapter_only:
+        # The merge adds into the tensors it is given; on CPU those can be the model's own weights.
+        merged = {k: v.detach().to("cpu", copy=True) for k, v in model_state.items()}
+        state[training.MODEL_KEY] = get_merged_lora_ckpt(merged, rank=cfg_model.lora_rank, alpha=cfg_model.lora_alpha)
+    return state
