@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -205,24 +206,41 @@ def forward_backward(
 def grad_norm_and_clip(parameters: Iterable[torch.Tensor], max_norm: Optional[float]) -> torch.Tensor:
     """Total L2 norm of all gradients (all shards), then clip in place if asked.
 
+    The squares are summed in float64: an fp32 sum over ~1e8 gradient
+    entries drifts by ~1e-5 relative with the summation order, i.e. with how
+    the model is sharded, and the norm would no longer be comparable between
+    world sizes at the 1e-5 tolerance. Under FSDP2 every rank sums the squares
+    of its own shard (shards are disjoint) and one all-reduce adds them up.
+
     Args:
         parameters: trainable parameters; those without ``.grad`` are ignored.
         max_norm (float, optional): clip so the total norm is at most this;
             None or <= 0 disables clipping (the norm is still computed).
 
     Returns:
-        torch.Tensor: fp32 scalar, the norm *before* clipping, replicated on
-        every rank under FSDP2.
+        torch.Tensor: float64 scalar on the gradients' device, the norm
+        *before* clipping, identical on every rank.
     """
-    params = [p for p in parameters if p.grad is not None]
-    if not params:
-        return torch.zeros(())
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.zeros((), dtype=torch.float64)
+    sharded = torch.zeros((), dtype=torch.float64, device=grads[0].device)
+    replicated = torch.zeros((), dtype=torch.float64, device=grads[0].device)
+    groups = set()
+    for grad in grads:
+        if isinstance(grad, DTensor):
+            groups.add(grad.device_mesh.get_group())
+            sharded += torch.linalg.vector_norm(grad.to_local(), dtype=torch.float64).square()
+        else:  # a whole tensor on every rank: count it once
+            replicated += torch.linalg.vector_norm(grad, dtype=torch.float64).square()
+    for group in groups:
+        dist.all_reduce(sharded, op=dist.ReduceOp.SUM, group=group)
+    norm = (sharded + replicated).sqrt()
     if max_norm is not None and max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
-    return norm.float()
+        scale = max_norm / (norm.item() + 1e-6)
+        if scale < 1.0:
+            torch._foreach_mul_(grads, scale)
+    return norm
 
 
 def train_step(
