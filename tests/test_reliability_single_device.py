@@ -181,6 +181,21 @@ def test_bad_dataset_file(tiny_run, content):
                          seed=0, ignore_index=-100)
 
 
+def test_more_ranks_than_samples_is_refused(tiny_run):
+    from torchtune import config as tt_config
+
+    from torchtune_ext.config import ConfigError
+    from torchtune_ext.data import build_dataloader
+
+    cfg = OmegaConf.load(tiny_run(n_samples=3))
+    tokenizer = tt_config.instantiate(cfg.tokenizer)
+    kwargs = dict(batch_size=1, shuffle=False, seed=0, ignore_index=-100)
+    with pytest.raises(ConfigError, match="'dataset'.*3 sample.*4 data-parallel ranks"):
+        build_dataloader(cfg.dataset, tokenizer, dp_rank=0, dp_world_size=4, **kwargs)
+    loader, _ = build_dataloader(cfg.dataset, tokenizer, dp_rank=0, dp_world_size=3, **kwargs)
+    assert len(loader) == 1
+
+
 def test_output_dir_with_checkpoints_is_not_overwritten(tiny_run):
     config = tiny_run(max_steps_per_epoch=1)
     assert tune(config).returncode == 0

@@ -117,8 +117,8 @@ def build_dataloader(
         (DataLoader, ResumableSampler)
 
     Raises:
-        ConfigError: if the dataset yields no sample, or packed and unpacked
-            datasets are mixed.
+        ConfigError: if the dataset yields no sample or fewer samples than
+            ``dp_world_size``, or packed and unpacked datasets are mixed.
     """
     cfgs = list(cfg_dataset) if isinstance(cfg_dataset, (list, ListConfig)) else [cfg_dataset]
     packed = {bool(c.get("packed", False)) for c in cfgs}
@@ -135,6 +135,10 @@ def build_dataloader(
     dataset = datasets[0] if len(datasets) == 1 else ConcatDataset(datasets)
     if len(dataset) == 0:
         raise ConfigError("dataset", "the dataset yields zero samples")
+    if len(dataset) < dp_world_size:
+        # Top-up copies would be all a rank trains on: a run that cannot learn there.
+        raise ConfigError("dataset", f"the dataset yields {len(dataset)} sample(s), fewer than the "
+                          f"{dp_world_size} data-parallel ranks; use fewer processes or more data")
 
     collate = (
         padded_collate_packed
