@@ -207,6 +207,19 @@ def test_grad_norm_is_before_clipping():
     assert p.grad.norm().item() == pytest.approx(5.0)
 
 
+def test_grad_norm_is_float64_accurate_on_large_gradients():
+    torch.manual_seed(0)
+    # one large gradient (as an embedding's) plus odd-sized ones that leave partial blocks
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (20_000_000, 1_000_003, 7, 0)]
+    for p in params:
+        p.grad = torch.randn(p.shape) * 1e-3
+    exact = torch.cat([p.grad.double() for p in params]).norm().item()
+    assert abs(grad_norm_and_clip(params, None).item() - exact) / exact < 1e-8
+    # a single fp32 reduction is not good enough at this size: the blocks are what make the difference
+    fp32 = torch.cat([p.grad for p in params]).norm().item()
+    assert abs(fp32 - exact) / exact > 1e-6
+
+
 def test_windows_do_not_cross_epochs():
     batches = list(range(7))
     assert list(micro_batch_windows(batches, 4)) == [[0, 1, 2, 3], [4, 5, 6]]

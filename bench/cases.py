@@ -1,0 +1,178 @@
+"""The benchmark's case matrix, its profiles (cpu, quick, gpu) and the command of each run."""
+
+import sys
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+UPSTREAM = "upstream"
+OURS_ONCE = "ours_once"
+OURS_EACH = "ours_each"
+VARIANTS = (UPSTREAM, OURS_ONCE, OURS_EACH)
+
+VARIANT_LABELS = {
+    UPSTREAM: "upstream torchtune 0.6.1 (backward per micro-batch)",
+    OURS_ONCE: "ours, backward_once_per_step=true",
+    OURS_EACH: "ours, backward_once_per_step=false",
+}
+
+# (implementation, kind, distributed) -> (recipe, config). Ours are files run
+# from the repository root; upstream's are the built-in recipes of torchtune's
+# wheel, by name, with configs under bench/configs/ that point them at our
+# model, tokenizer and data.
+RECIPES: Dict[Tuple[str, str, bool], Tuple[str, str]] = {
+    ("ours", "full", False): ("recipes/full_finetune_single_device.py", "configs/smollm2/135M_full_single_device.yaml"),
+    ("ours", "lora", False): ("recipes/lora_finetune_single_device.py", "configs/smollm2/135M_lora_single_device.yaml"),
+    ("ours", "full", True): ("recipes/full_finetune_distributed.py", "configs/smollm2/135M_full.yaml"),
+    ("ours", "lora", True): ("recipes/lora_finetune_distributed.py", "configs/smollm2/135M_lora.yaml"),
+    (UPSTREAM, "full", False): ("full_finetune_single_device", "bench/configs/upstream_full_single_device.yaml"),
+    (UPSTREAM, "lora", False): ("lora_finetune_single_device", "bench/configs/upstream_lora_single_device.yaml"),
+    (UPSTREAM, "full", True): ("full_finetune_distributed", "bench/configs/upstream_full_distributed.yaml"),
+    (UPSTREAM, "lora", True): ("lora_finetune_distributed", "bench/configs/upstream_lora_distributed.yaml"),
+}
+
+
+@dataclass(frozen=True)
+class Group:
+    """Runs that are compared with each other: same model kind, processes and accumulation."""
+
+    kind: str  # "full" or "lora"
+    nproc: int
+    ga: int
+    variants: Tuple[str, ...] = VARIANTS
+
+    @property
+    def name(self) -> str:
+        where = "1dev" if self.nproc == 1 else f"{self.nproc}proc"
+        return f"{self.kind}_{where}_ga{self.ga}"
+
+    @property
+    def label(self) -> str:
+        where = "1 device" if self.nproc == 1 else f"{self.nproc} processes"
+        return f"{self.kind} · {where} · GA {self.ga}"
+
+
+@dataclass(frozen=True)
+class Case:
+    group: Group
+    variant: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.group.name}_{self.variant}"
+
+    @property
+    def impl(self) -> str:
+        return UPSTREAM if self.variant == UPSTREAM else "ours"
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Everything a benchmark run holds fixed."""
+
+    name: str
+    groups: Tuple[Group, ...]
+    device: str = "cpu"
+    dtype: str = "fp32"
+    batch_size: int = 1          # per process
+    max_seq_len: int = 256
+    steps: int = 4               # optimizer steps per run
+    skip_steps: int = 1          # excluded from the step-time statistics
+    repeats: int = 3
+    warmup: bool = True          # one discarded short run per recipe first
+    run_timeout_s: int = 900
+    pad_to: Optional[int] = None  # pad every micro-batch to this many tokens (fixed shapes)
+    extra_overrides: Tuple[str, ...] = field(default_factory=tuple)
+
+    def cases(self) -> List[Case]:
+        return [Case(g, v) for g in self.groups for v in g.variants]
+
+
+def _groups(kind: str, nproc: int, gas: Sequence[int], variants: Sequence[str] = VARIANTS) -> List[Group]:
+    return [Group(kind, nproc, ga, tuple(variants)) for ga in gas]
+
+
+PROFILES: Dict[str, Profile] = {
+    # The default CPU benchmark: throughput, about 40 minutes on an idle 2-core CPU.
+    "cpu": Profile(
+        name="cpu",
+        groups=tuple(
+            _groups("full", 1, (1, 4)) + _groups("lora", 1, (1, 4))
+            + _groups("full", 2, (1, 4)) + _groups("lora", 2, (4,))
+        ),
+        steps=3,
+    ),
+    # Peak memory against accumulation steps, one device, GA 1 and 8, every
+    # micro-batch padded to the same length (otherwise the longest sample a
+    # run happens to draw decides its peak): about 10 minutes.
+    "memory": Profile(
+        name="memory",
+        groups=tuple(_groups("full", 1, (1, 8)) + _groups("lora", 1, (1, 8))),
+        steps=3, repeats=1, pad_to=256,
+    ),
+    # A smoke check of every code path: one repeat, 3 steps, under 5 minutes.
+    "quick": Profile(
+        name="quick",
+        groups=tuple(_groups("full", 1, (1,)) + _groups("full", 2, (2,), (UPSTREAM, OURS_EACH))),
+        steps=3, repeats=1, warmup=False,
+    ),
+    # One CUDA device, bf16: fits in 10 minutes on an H100/H200-class GPU.
+    "gpu": Profile(
+        name="gpu",
+        groups=tuple(_groups("full", 1, (1, 8))),
+        device="cuda", dtype="bf16", batch_size=4, max_seq_len=1024, steps=12, skip_steps=3, repeats=2,
+        warmup=True, run_timeout_s=240,
+    ),
+}
+
+
+def with_overrides(profile: Profile, **changes) -> Profile:
+    """The profile with some fields replaced (None values are ignored)."""
+    return replace(profile, **{k: v for k, v in changes.items() if v is not None})
+
+
+def run_overrides(case: Case, profile: Profile, output_dir: Path, steps: Optional[int] = None) -> List[str]:
+    """``key=value`` overrides that make one run of ``case`` (both implementations take the same keys)."""
+    overrides = [
+        f"output_dir={output_dir}",
+        f"batch_size={profile.batch_size}",
+        f"gradient_accumulation_steps={case.group.ga}",
+        "epochs=1",
+        f"max_steps_per_epoch={steps or profile.steps}",
+        f"tokenizer.max_seq_len={profile.max_seq_len}",
+        # upstream seeds its sampler with 0 whatever the config says: the same
+        # seed gives ours the same samples in the same order
+        "seed=0",
+        f"device={profile.device}",
+        f"dtype={profile.dtype}",
+        "log_every_n_steps=1",
+        "clip_grad_norm=1.0",
+        "compile=false",
+        "enable_activation_checkpointing=false",
+        "resume_from_checkpoint=false",
+    ]
+    if case.impl == "ours":
+        overrides += [
+            f"backward_once_per_step={'true' if case.variant == OURS_ONCE else 'false'}",
+            "save_final_checkpoint=false",
+            # the same metric backend as upstream's configs (its extra keys are ignored by DiskLogger)
+            "metric_logger._component_=torchtune.training.metric_logging.DiskLogger",
+        ]
+    return overrides + list(profile.extra_overrides)
+
+
+def command(case: Case, profile: Profile, output_dir: Path, steps: Optional[int] = None,
+            python: str = sys.executable) -> List[str]:
+    """The command line of one run, to start from the repository root."""
+    recipe, config = RECIPES[(case.impl, case.group.kind, case.group.nproc > 1)]
+    launch_args = ["--out", str(output_dir / "probe.json")]
+    if case.impl == UPSTREAM:
+        launch_args.append("--upstream")
+    if profile.pad_to:
+        launch_args += ["--pad-to", str(profile.pad_to)]
+    args = [*launch_args, recipe, "--config", config, *run_overrides(case, profile, output_dir, steps)]
+    if case.group.nproc == 1:
+        return [python, "-m", "bench.launch", *args]
+    # As `tune run --nproc_per_node N` does: torchrun in standalone mode, one process per rank.
+    return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={case.group.nproc}",
+            "bench/launch.py", *args]

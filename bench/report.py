@@ -1,0 +1,246 @@
+"""Turn the runs' raw records into per-case statistics, comparisons, targets and markdown tables.
+
+Pure functions of the records :func:`bench.runner.execute` returns; no process is run here.
+"""
+
+from typing import Any, Dict, List, Mapping, Optional, Sequence
+
+from bench import analysis
+from bench.analysis import GIB, fmt, fmt_median_spread, markdown_table
+from bench.cases import OURS_EACH, OURS_ONCE, UPSTREAM, VARIANT_LABELS
+
+ACCOUNTING_PIECES = ("count_tokens", "global_sum", "step_record", "logging")
+
+
+def usable_runs(runs: Sequence[Mapping[str, Any]]) -> List[Mapping[str, Any]]:
+    """Runs that finished and were not superseded by a re-run of a busy round."""
+    return [r for r in runs if "steps" in r and not r.get("error") and r.get("used", True)]
+
+
+def accounting_share(run: Mapping[str, Any], skip_steps: int) -> Dict[str, Optional[float]]:
+    """Seconds per measured step spent in each accounting piece, and their total share of step time."""
+    measured = [s for s in run["steps"] if s["step"] > skip_steps and s.get("period") is not None]
+    seconds = sum(s["period"] for s in measured)
+    keys = {str(s["step"]) for s in measured}
+    pieces = run.get("accounting") or {}
+    if not measured or not pieces:
+        return {"share": None}
+    out: Dict[str, Optional[float]] = {}
+    total = 0.0
+    for piece in ACCOUNTING_PIECES:
+        spent = sum(v for k, v in pieces.get(piece, {}).items() if k in keys)
+        out[f"{piece}_ms_per_step"] = 1000 * spent / len(measured)
+        total += spent
+    out["total_ms_per_step"] = 1000 * total / len(measured)
+    out["share"] = total / seconds if seconds else None
+    # not part of the cost: the wait for the slowest rank that any first collective of a step absorbs
+    waited = sum(v for k, v in pieces.get("peer_wait", {}).items() if k in keys)
+    out["peer_wait_ms_per_step"] = 1000 * waited / len(measured) if "peer_wait" in pieces else None
+    return out
+
+
+def summarize_case(
+    runs: Sequence[Mapping[str, Any]], skip_steps: int, flops_per_token_fn, peak_flops: Optional[float]
+) -> Dict[str, Any]:
+    """Statistics of one case over its repeats.
+
+    Args:
+        runs: usable records of this case (one per repeat).
+        flops_per_token_fn: mean sample length (tokens) -> model FLOPs per token.
+        peak_flops: measured peak FLOP/s of the machine (None: no MFU).
+    """
+    per_run = [analysis.run_throughput(r["steps"], skip_steps) for r in runs]
+    mfus = []
+    for run, thr in zip(runs, per_run):
+        fpt = flops_per_token_fn(run.get("mean_sample_tokens") or 0.0)
+        mfus.append(analysis.mfu(thr["tokens_per_second"], fpt, peak_flops))
+    shares = [accounting_share(r, skip_steps) for r in runs]
+    summary: Dict[str, Any] = {
+        "repeats": len(runs),
+        "step_seconds": analysis.summarize([t["step_seconds"] for t in per_run]),
+        "tokens_per_second": analysis.summarize([t["tokens_per_second"] for t in per_run]),
+        "trainable_tokens_per_second": analysis.summarize([t["trainable_tokens_per_second"] for t in per_run]),
+        "peak_memory_gib": analysis.summarize([max(r["peak_memory_bytes"]) / GIB for r in runs]),
+        "mfu": analysis.summarize([m for m in mfus if m is not None]),
+        "measured_steps": per_run[0]["measured_steps"] if per_run else 0,
+        "per_run_tokens_per_second": [t["tokens_per_second"] for t in per_run],
+        "foreign_cpu": [r.get("foreign_cpu") for r in runs],
+    }
+    if any(s.get("share") is not None for s in shares):
+        summary["accounting"] = {
+            key: analysis.summarize([s.get(key) for s in shares])
+            for key in [f"{p}_ms_per_step" for p in ACCOUNTING_PIECES]
+            + ["total_ms_per_step", "share", "peer_wait_ms_per_step"]
+        }
+    return summary
+
+
+def compare_to_upstream(
+    ours: Sequence[Mapping[str, Any]], upstream: Sequence[Mapping[str, Any]], skip_steps: int
+) -> Dict[str, Any]:
+    """Ours vs upstream in one group: throughput ratio, loss agreement, same data.
+
+    ``ratio`` is the ratio of the median tokens/sec (the same tokens, so also
+    upstream's step time over ours); ``paired_ratio`` summarizes the ratios of
+    the runs of the same repeat (which ran next to each other).
+    """
+    def tps(run):
+        return analysis.run_throughput(run["steps"], skip_steps)["tokens_per_second"]
+
+    ours_tps = analysis.summarize([tps(r) for r in ours])["median"]
+    up_tps = analysis.summarize([tps(r) for r in upstream])["median"]
+    by_repeat = {r.get("repeat"): r for r in upstream}
+    paired = [tps(r) / tps(by_repeat[r.get("repeat")]) for r in ours
+              if r.get("repeat") in by_repeat and tps(r) and tps(by_repeat[r.get("repeat")])]
+    out: Dict[str, Any] = {
+        "ratio": ours_tps / up_tps if ours_tps and up_tps else None,
+        "paired_ratio": analysis.summarize(paired),
+    }
+    if ours and upstream:
+        a, b = ours[0]["steps"], upstream[0]["steps"]
+        out["max_rel_diff_loss"] = analysis.max_relative_difference([s["loss"] for s in a], [s["loss"] for s in b])
+        out["max_rel_diff_grad_norm"] = analysis.max_relative_difference(
+            [s["grad_norm"] for s in a], [s["grad_norm"] for s in b])
+        out["same_tokens"] = [s["trainable_tokens"] for s in a] == [s["trainable_tokens"] for s in b]
+        out["upstream_counts_pre_shift"] = [s["trainable_tokens_pre_shift"] for s in b]
+        out["ours_counts"] = [s["logged_tokens"] for s in a]
+    return out
+
+
+def evaluate_targets(cases: Mapping[str, Mapping[str, Any]], groups: Mapping[str, Mapping[str, Any]]) -> List[Dict[str, Any]]:
+    """The issue's four targets, each with its numbers and met / not met.
+
+    Args:
+        cases: case name -> {"group", "variant", "kind", "nproc", "ga", "summary"}.
+        groups: group name -> {"kind", "nproc", "ga", "comparisons": {variant: compare_to_upstream(...)}}.
+    """
+    targets = []
+
+    ratios = []
+    for name, g in sorted(groups.items()):
+        if g["nproc"] == 1 and g["ga"] in (1, 4):
+            for variant, comp in sorted(g["comparisons"].items()):
+                ratios.append({"group": name, "variant": variant, "ratio": comp["ratio"]})
+    vals = [r["ratio"] for r in ratios if r["ratio"] is not None]
+    targets.append({
+        "target": "single device: ours / upstream tokens/sec >= 1.0 at GA 1 and GA 4",
+        "values": ratios, "met": bool(vals) and min(vals) >= 1.0,
+        "worst": min(vals) if vals else None,
+    })
+
+    dist = []
+    for name, g in sorted(groups.items()):
+        if g["nproc"] == 2 and g["ga"] == 4 and OURS_EACH in g["comparisons"]:
+            dist.append({"group": name, "variant": OURS_EACH, "ratio": g["comparisons"][OURS_EACH]["ratio"]})
+    vals = [d["ratio"] for d in dist if d["ratio"] is not None]
+    targets.append({
+        "target": "2 processes, GA 4, per-micro-batch mode: ours / upstream >= 1.15",
+        "values": dist, "met": bool(vals) and min(vals) >= 1.15, "worst": min(vals) if vals else None,
+    })
+
+    mem = []
+    by_key: Dict[tuple, Dict[int, float]] = {}
+    for c in cases.values():
+        if c["variant"] == OURS_EACH and c["summary"]["peak_memory_gib"]["median"] is not None:
+            by_key.setdefault((c["kind"], c["nproc"]), {})[c["ga"]] = c["summary"]["peak_memory_gib"]["median"]
+    for (kind, nproc), per_ga in sorted(by_key.items()):
+        if 1 in per_ga and 8 in per_ga:
+            mem.append({"kind": kind, "nproc": nproc, "ga1_gib": per_ga[1], "ga8_gib": per_ga[8],
+                        "ratio": per_ga[8] / per_ga[1]})
+    vals = [m["ratio"] for m in mem]
+    targets.append({
+        "target": "per-micro-batch mode: peak memory at GA 8 within 10% of GA 1",
+        "values": mem, "met": bool(vals) and max(vals) <= 1.10, "worst": max(vals) if vals else None,
+    })
+
+    shares = []
+    for name, c in sorted(cases.items()):
+        acc = c["summary"].get("accounting")
+        if acc and acc["share"]["median"] is not None:
+            shares.append({"case": name, "share": acc["share"]["median"],
+                           "ms_per_step": acc["total_ms_per_step"]["median"]})
+    vals = [s["share"] for s in shares]
+    targets.append({
+        "target": "accounting (count, one-scalar all-reduces, step record, logging) < 1% of step time",
+        "values": shares, "met": bool(vals) and max(vals) < 0.01, "worst": max(vals) if vals else None,
+    })
+    return targets
+
+
+# ----------------------------------------------------------------------- tables
+
+def results_table(cases: Mapping[str, Mapping[str, Any]], groups: Mapping[str, Mapping[str, Any]],
+                  group_order: Sequence[str]) -> str:
+    header = ["case", "implementation", "step time (s)", "tokens/s", "ours / upstream", "peak mem (GiB)",
+              "MFU", "max rel. Δ loss vs upstream"]
+    rows = []
+    for gname in group_order:
+        g = groups[gname]
+        for variant in (UPSTREAM, OURS_ONCE, OURS_EACH):
+            c = cases.get(f"{gname}_{variant}")
+            if c is None:
+                continue
+            s = c["summary"]
+            comp = g["comparisons"].get(variant, {})
+            ratio = comp.get("ratio")
+            ratio_text = "1 (reference)" if variant == UPSTREAM else fmt(ratio, ".2f")
+            paired = comp.get("paired_ratio") or {}
+            if variant != UPSTREAM and paired.get("n", 0) > 1:
+                ratio_text += f" ({fmt(paired['min'], '.2f')}–{fmt(paired['max'], '.2f')})"
+            loss = "—" if variant == UPSTREAM else fmt(comp.get("max_rel_diff_loss"), ".1e")
+            mfu = s["mfu"]["median"]
+            rows.append([
+                g["label"], VARIANT_LABELS[variant], fmt_median_spread(s["step_seconds"]),
+                fmt_median_spread(s["tokens_per_second"]), ratio_text,
+                fmt(s["peak_memory_gib"]["median"], ".2f"), f"{100 * mfu:.1f}%" if mfu is not None else "—", loss,
+            ])
+    return markdown_table(header, rows, "ll" + "r" * 6)
+
+
+def memory_table(cases: Mapping[str, Mapping[str, Any]]) -> str:
+    per: Dict[tuple, Dict[int, float]] = {}
+    for c in cases.values():
+        value = c["summary"]["peak_memory_gib"]["median"]
+        if value is not None:
+            per.setdefault((c["kind"], c["nproc"], c["variant"]), {})[c["ga"]] = value
+    gas = sorted({ga for d in per.values() for ga in d})
+    header = ["model", "processes", "implementation"] + [f"GA {ga}" for ga in gas] + ["GA max / GA 1"]
+    rows = []
+    for (kind, nproc, variant), d in sorted(per.items()):
+        growth = d[max(d)] / d[1] if 1 in d and len(d) > 1 else None
+        rows.append([kind, nproc, VARIANT_LABELS[variant]] + [fmt(d.get(ga), ".2f") for ga in gas]
+                    + [fmt(growth, ".2f")])
+    return markdown_table(header, rows, "lrl" + "r" * (len(gas) + 1))
+
+
+def accounting_table(cases: Mapping[str, Mapping[str, Any]], order: Sequence[str]) -> str:
+    header = ["case", "count tokens (ms)", "global sums (ms)", "step record (ms)", "logging (ms)",
+              "total (ms/step)", "step time (s)", "share", "waiting for peers (ms, not counted)"]
+    rows = []
+    for name in order:
+        c = cases[name]
+        acc = c["summary"].get("accounting")
+        if not acc:
+            continue
+        med = {k: v["median"] for k, v in acc.items()}
+        rows.append([name, fmt(med["count_tokens_ms_per_step"], ".2f"), fmt(med["global_sum_ms_per_step"], ".2f"),
+                     fmt(med["step_record_ms_per_step"], ".2f"), fmt(med["logging_ms_per_step"], ".2f"),
+                     fmt(med["total_ms_per_step"], ".2f"), fmt(c["summary"]["step_seconds"]["median"], ".2f"),
+                     f"{100 * med['share']:.3f}%" if med["share"] is not None else "—",
+                     fmt(med.get("peer_wait_ms_per_step"), ".1f")])
+    return markdown_table(header, rows)
+
+
+def targets_table(targets: Sequence[Mapping[str, Any]]) -> str:
+    rows = []
+    for t in targets:
+        if "tokens/sec" in t["target"] or "upstream >=" in t["target"]:
+            detail = ", ".join(f"{v['group']} {v['variant']}: {fmt(v['ratio'], '.2f')}" for v in t["values"])
+        elif "memory" in t["target"]:
+            detail = ", ".join(f"{v['kind']} {v['nproc']}p: {v['ga1_gib']:.2f} → {v['ga8_gib']:.2f} GiB "
+                               f"(×{v['ratio']:.2f})" for v in t["values"])
+        else:
+            detail = f"largest: {100 * t['worst']:.3f}%" if t["worst"] is not None else ""
+        status = "—" if not t["values"] else ("met" if t["met"] else "**not met**")
+        rows.append([t["target"], status, detail])
+    return markdown_table(["target", "result", "measured"], rows, "lll")
