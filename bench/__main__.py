@@ -2,6 +2,7 @@
 
     python -m bench                 # the CPU benchmark (about 40 min on an idle 2-core CPU)
     python -m bench --memory        # peak memory vs accumulation steps (about 10 min)
+    python -m bench --dist-ga8      # 2 processes at GA 8 (about 10 min)
     python -m bench --quick         # smoke check, under 5 min
     python -m bench --gpu           # one CUDA device, bf16 (see bench/gpu_bench.sh)
 
@@ -46,6 +47,8 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     mode.add_argument("--quick", action="store_const", const="quick", dest="profile", help="smoke check (< 5 min)")
     mode.add_argument("--memory", action="store_const", const="memory", dest="profile",
                       help="peak memory at GA 1 and 8 with fixed-length micro-batches (about 10 min)")
+    mode.add_argument("--dist-ga8", action="store_const", const="dist_ga8", dest="profile",
+                      help="2 processes, GA 8, full fine-tune, one repeat (about 10 min)")
     mode.add_argument("--gpu", action="store_const", const="gpu", dest="profile",
                       help="one CUDA device, bf16, SmolLM2-135M full fine-tune, GA 1 and 8 (< 10 min)")
     parser.add_argument("--repeats", type=int, help="repeats of every case (profile default)")

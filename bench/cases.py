@@ -110,6 +110,13 @@ PROFILES: Dict[str, Profile] = {
         groups=tuple(_groups("full", 1, (1, 8)) + _groups("lora", 1, (1, 8))),
         steps=3, repeats=1, pad_to=256,
     ),
+    # Two processes at GA 8, full fine-tune, one repeat: the distributed end of the
+    # accumulation range, kept out of the default profile for time (about 10 minutes).
+    "dist_ga8": Profile(
+        name="dist_ga8",
+        groups=tuple(_groups("full", 2, (8,))),
+        steps=3, repeats=1,
+    ),
     # A smoke check of every code path: one repeat, 3 steps, under 5 minutes.
     "quick": Profile(
         name="quick",
