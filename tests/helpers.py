@@ -1,6 +1,7 @@
 """Shared test utilities: tiny models, synthetic samples, collation."""
 
 import copy
+import json
 from typing import Dict, List, Sequence
 
 import torch
@@ -192,6 +193,20 @@ def tiny_recipe_config(config: str, model: Dict, assets, checkpoint_dir, output_
     cfg.output_dir = str(output_dir)
     cfg.metric_logger = None
     return OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
+
+
+def tiny_alpaca16_config(config: str, model: Dict, assets, tmp_path, output_dir, *overrides: str):
+    """:func:`tiny_recipe_config` on the first 16 Alpaca samples, with the tiny checkpoint in ``tmp_path/base``.
+
+    The checkpoint and the 16-sample file are written once per ``tmp_path``.
+    """
+    checkpoint_dir = tmp_path / "base"
+    if not checkpoint_dir.exists():
+        write_tiny_hf_checkpoint(checkpoint_dir)
+        alpaca = json.loads((assets / "data" / "alpaca_en_demo.json").read_text())
+        (tmp_path / "alpaca16.json").write_text(json.dumps(alpaca[:16]))
+    return tiny_recipe_config(config, model, assets, checkpoint_dir, output_dir,
+                              f"dataset.data_files={tmp_path / 'alpaca16.json'}", *overrides)
 
 
 def run_recipe(recipe_cls, cfg):

@@ -1,6 +1,5 @@
 """End to end: the FSDP2 full-finetune recipe under `tune run --nproc_per_node 2` (gloo on CPU)."""
 
-import json
 import math
 import shutil
 
@@ -10,7 +9,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from helpers import (
-    read_jsonl, recipe_class, rel_diff, run_recipe, run_tune, tiny_recipe_config, write_tiny_hf_checkpoint,
+    read_jsonl, recipe_class, rel_diff, run_recipe, run_tune, tiny_alpaca16_config,
 )
 from torchtune_ext import distributed
 from torchtune_ext.config import DISTRIBUTED_KEYS, ConfigError, validate
@@ -53,13 +52,8 @@ def test_real_checkpoint_two_steps(smollm2_assets, tmp_path):
 
 def tiny_config(assets, tmp_path, output_dir, *overrides):
     """The shipped config on a random tiny model and the first 16 Alpaca samples (unvalidated)."""
-    checkpoint_dir = tmp_path / "base"
-    if not checkpoint_dir.exists():
-        write_tiny_hf_checkpoint(checkpoint_dir)
-        alpaca = json.loads((assets / "data" / "alpaca_en_demo.json").read_text())
-        (tmp_path / "alpaca16.json").write_text(json.dumps(alpaca[:16]))
-    return tiny_recipe_config(CONFIG, {"_component_": "torchtune_ext.models.tiny_llama"}, assets, checkpoint_dir,
-                              output_dir, f"dataset.data_files={tmp_path / 'alpaca16.json'}", *overrides)
+    return tiny_alpaca16_config(CONFIG, {"_component_": "torchtune_ext.models.tiny_llama"}, assets, tmp_path,
+                                output_dir, *overrides)
 
 
 def test_resume_on_another_world_size(smollm2_assets, tmp_path):

@@ -7,7 +7,7 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from helpers import read_jsonl, recipe_class, run_recipe, run_tune, tiny_recipe_config, write_tiny_hf_checkpoint
+from helpers import read_jsonl, recipe_class, run_recipe, run_tune, tiny_alpaca16_config
 from torchtune_ext.config import DISTRIBUTED_KEYS, LORA_KEYS, validate
 
 RECIPE = "recipes/lora_finetune_distributed.py"
@@ -20,13 +20,7 @@ SCHEMA = {**LORA_KEYS, **DISTRIBUTED_KEYS}
 
 def tiny_config(assets, tmp_path, output_dir, *overrides):
     """The shipped config on a random tiny model and the first 16 Alpaca samples (unvalidated)."""
-    checkpoint_dir = tmp_path / "base"
-    if not checkpoint_dir.exists():
-        write_tiny_hf_checkpoint(checkpoint_dir)
-        alpaca = json.loads((assets / "data" / "alpaca_en_demo.json").read_text())
-        (tmp_path / "alpaca16.json").write_text(json.dumps(alpaca[:16]))
-    return tiny_recipe_config(CONFIG, TINY_LORA, assets, checkpoint_dir, output_dir,
-                              f"dataset.data_files={tmp_path / 'alpaca16.json'}", *overrides)
+    return tiny_alpaca16_config(CONFIG, TINY_LORA, assets, tmp_path, output_dir, *overrides)
 
 
 def two_ranks(assets, tmp_path, output_dir, *overrides):
