@@ -185,7 +185,7 @@ def _wrap_collate(probe: Probe, pad_to: Optional[int] = None) -> None:
 
 
 def _install_ours(probe: Probe) -> None:
-    from torchtune_ext import data, metrics, step
+    from torchtune_ext import accounting, data, metrics, step
 
     if hasattr(data, "padded_collate_sft"):  # bound at import time
         data.padded_collate_sft = sys.modules["torchtune.data"].padded_collate_sft
@@ -200,9 +200,9 @@ def _install_ours(probe: Probe) -> None:
     metrics.reset_peak_memory = lambda device: None
     if hasattr(metrics, "step_record"):
         metrics.step_record = probe.timed("step_record", metrics.step_record)
-    for name, piece in (("count_trainable_tokens", "count_tokens"), ("_prepare", "prepare")):
-        setattr(step, name, probe.timed(piece, getattr(step, name)))
-    step.global_sum = _peer_wait_then(probe, probe.timed("global_sum", step.global_sum))
+    accounting.count_trainable_tokens = probe.timed("count_tokens", accounting.count_trainable_tokens)
+    step.prepare_micro_batch = probe.timed("prepare", step.prepare_micro_batch)
+    accounting.global_sum = _peer_wait_then(probe, probe.timed("global_sum", accounting.global_sum))
 
 
 def _peer_wait_then(probe: Probe, timed_global_sum: Callable) -> Callable:

@@ -29,10 +29,10 @@ from torchtune_ext.checkpoint import (
     load_recipe_state,
     nonfinite_error,
 )
-from torchtune_ext.data import build_dataloader, epoch_windows
+from torchtune_ext.data import build_step_loader
 from torchtune_ext.loss import build_loss
 from torchtune_ext.metrics import StepReporter, build_metric_logger
-from torchtune_ext.step import NonFiniteError, build_lr_scheduler, steps_per_epoch, train_step
+from torchtune_ext.step import NonFiniteError, build_lr_scheduler, train_step
 
 log = utils.get_logger("INFO")
 
@@ -63,14 +63,10 @@ class FullFinetuneRecipeDistributed:
         # Data first: a bad dataset fails before anything is loaded or written.
         self._tokenizer = config.instantiate(cfg.tokenizer)
         self._loss_fn = build_loss(cfg.loss, compile=cfg.compile)
-        self._dataloader, self._sampler = build_dataloader(
-            cfg.dataset, self._tokenizer, batch_size=cfg.batch_size, shuffle=cfg.shuffle,
-            seed=self.progress.seed, ignore_index=self._loss_fn.ignore_index,
-            dp_rank=self._rank, dp_world_size=self._world_size,
-        )
-        self._steps_per_epoch = steps_per_epoch(
-            len(self._dataloader), cfg.gradient_accumulation_steps, cfg.max_steps_per_epoch
-        )
+        self._data = build_step_loader(cfg, self._tokenizer, seed=self.progress.seed,
+                                       ignore_index=self._loss_fn.ignore_index, dp_rank=self._rank,
+                                       dp_world_size=self._world_size)
+        self._steps_per_epoch = self._data.steps_per_epoch
 
         self._checkpoints = CheckpointManager(cfg.checkpointer, cfg.output_dir, cfg.keep_last_n_checkpoints)
         checkpoint = self._checkpoints.load(resume_from)
@@ -116,13 +112,12 @@ class FullFinetuneRecipeDistributed:
                                 initial_step=progress.step, log_every_n_steps=cfg.log_every_n_steps,
                                 dp_world_size=self._world_size, rank=self._rank)
         while progress.epoch < cfg.epochs:
-            for micro_batches in epoch_windows(self._dataloader, self._sampler, progress.epoch, progress.steps_in_epoch,
-                                               cfg.gradient_accumulation_steps, cfg.max_steps_per_epoch):
+            for step_data in self._data.epoch(progress.epoch, progress.samples_in_epoch, progress.steps_in_epoch):
                 reporter.start_step()
                 lr = training.get_lr(self._optimizer)
                 try:
                     result = train_step(
-                        self._model, self._optimizer, self._loss_fn, micro_batches, device=self._device,
+                        self._model, self._optimizer, self._loss_fn, step_data.micro_batches, device=self._device,
                         backward_once_per_step=cfg.backward_once_per_step, clip_grad_norm=cfg.clip_grad_norm,
                         skip_nonfinite_steps=cfg.skip_nonfinite_steps, step=progress.step + 1,
                     )
@@ -130,7 +125,7 @@ class FullFinetuneRecipeDistributed:
                     raise nonfinite_error(err, cfg.output_dir) from err
                 if self._lr_scheduler is not None:
                     self._lr_scheduler.step()
-                progress.complete_step(skipped=result.skipped is not None)
+                progress.complete_step(skipped=result.skipped is not None, end_sample=step_data.end_sample)
                 reporter.end_step(result, step=progress.step, epoch=progress.epoch, lr=lr,
                                   skipped_steps=progress.skipped_steps)
                 if cfg.save_every_n_steps and progress.step % cfg.save_every_n_steps == 0:

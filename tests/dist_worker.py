@@ -5,8 +5,8 @@
 
 Each case trains a freshly initialised tiny Llama (same seed on every rank
 and in every case) for a few SGD steps, through the same pieces the
-distributed recipe uses: ``build_dataloader`` (sampler, top-up samples),
-``micro_batch_windows``, ``torchtune_ext.distributed.shard_model`` and
+distributed recipe uses: ``StepLoader`` (the step's samples over ranks,
+stand-ins), ``torchtune_ext.distributed.shard_model`` and
 ``load_full_model_state_dict``, and ``train_step``. Rank 0 saves, per case,
 the per-step results, the full trained parameters and how many gradient
 reduce-scatters each step ran. All cases share one process group, so one
@@ -14,7 +14,9 @@ launch serves many cases.
 
 A case is a dict with ``name``, ``batch_size``, ``grad_accum``, ``once``
 (backward_once_per_step), ``num_samples``, ``model`` ("full" or "lora") and
-optionally ``clip`` (max grad norm), ``max_steps`` and ``cpu_offload``.
+optionally ``clip`` (max grad norm), ``max_steps``, ``cpu_offload``,
+``grouped`` (group_by_length), ``budget`` (max_tokens_per_micro_batch) and
+``packed`` (the same samples packed into 64-token rows).
 """
 
 import json
@@ -28,10 +30,10 @@ from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
 from helpers import IGNORE, VOCAB
 from torchtune_ext import distributed
-from torchtune_ext.data import build_dataloader
+from torchtune_ext.data import StepLoader, build_dataset, make_collate
 from torchtune_ext.loss import SummedCrossEntropyLoss
 from torchtune_ext.models import lora_tiny_llama, tiny_llama
-from torchtune_ext.step import micro_batch_windows, train_step
+from torchtune_ext.step import train_step
 
 CPU = torch.device("cpu")
 ARCH = dict(vocab_size=VOCAB, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=32,
@@ -71,21 +73,24 @@ def run_case(case: dict, rank: int, world_size: int) -> dict:
         # FSDP2 calls this once per reduce-scatter of the unit's gradients.
         unit.set_all_reduce_hook(lambda _output: reduce_scatters.__setitem__(0, reduce_scatters[0] + 1))
 
-    dataset = OmegaConf.create({"_component_": "helpers.synthetic_sft_dataset", "num_samples": case["num_samples"]})
-    loader, sampler = build_dataloader(dataset, SimpleNamespace(pad_id=0), batch_size=case["batch_size"],
-                                       shuffle=True, seed=5, ignore_index=IGNORE,
-                                       dp_rank=rank, dp_world_size=world_size)
-    sampler.set_epoch(0)
+    dataset = OmegaConf.create({"_component_": "helpers.synthetic_sft_dataset", "num_samples": case["num_samples"],
+                                "packed": case.get("packed", False)})
+    samples, packed = build_dataset(dataset, SimpleNamespace(pad_id=0))
+    loader = StepLoader(samples, make_collate(packed, 0, IGNORE), batch_size=case["batch_size"],
+                        gradient_accumulation_steps=case["grad_accum"], seed=5, ignore_index=IGNORE,
+                        dp_rank=rank, dp_world_size=world_size, group_by_length=case.get("grouped", False),
+                        max_tokens_per_micro_batch=case.get("budget"), max_steps_per_epoch=case.get("max_steps"))
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params, lr=0.5)
     loss_fn = SummedCrossEntropyLoss(num_output_chunks=1, ignore_index=IGNORE)
     steps, scatters_per_step = [], []
-    for i, window in enumerate(micro_batch_windows(loader, case["grad_accum"], case.get("max_steps"))):
+    for i, step_data in enumerate(loader.epoch(0)):
+        window = step_data.micro_batches
         before = reduce_scatters[0]
         r = train_step(model, optimizer, loss_fn, window, device=CPU, backward_once_per_step=case["once"],
                        clip_grad_norm=case.get("clip"), step=i + 1)
         steps.append({"loss": r.loss, "grad_norm": r.grad_norm, "num_tokens": r.num_tokens,
-                      "local_num_tokens": r.local_num_tokens, "micro_batches": len(window)})
+                      "local_num_tokens": r.local_num_tokens, "micro_batches": len(window), **r.metrics})
         scatters_per_step.append(reduce_scatters[0] - before)
     full = distributed.gather_full_model_state_dict(model, CPU)
     # FSDP2 has no public getter for the policy a unit was built with

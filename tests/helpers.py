@@ -120,16 +120,24 @@ def read_jsonl(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
-def synthetic_sft_dataset(tokenizer=None, num_samples: int = 12, seed: int = 3):
+def synthetic_sft_dataset(tokenizer=None, num_samples: int = 12, seed: int = 3, packed: bool = False,
+                          max_seq_len: int = 64):
     """A list dataset of instruct samples with varied prompt and answer lengths.
 
     Usable as a config ``_component_`` (``helpers.synthetic_sft_dataset``):
-    torchtune passes the tokenizer first, which is not needed here.
+    torchtune passes the tokenizer first, which is not needed here. With
+    ``packed`` the samples, in order, are packed by torchtune's ``PackedDataset``
+    into rows of ``max_seq_len`` tokens.
     """
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(0, 12, (num_samples,), generator=g).tolist()
     answers = torch.randint(1, 20, (num_samples,), generator=g).tolist()
-    return instruct_samples(prompts, answers, seed=seed)
+    samples = instruct_samples(prompts, answers, seed=seed)
+    if packed:
+        from torchtune.datasets import PackedDataset
+
+        return PackedDataset(samples, max_seq_len=max_seq_len, padding_idx=0)
+    return samples
 
 
 def write_tiny_hf_checkpoint(path, seed: int = 0) -> Dict[str, torch.Tensor]:

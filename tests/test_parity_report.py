@@ -153,18 +153,19 @@ def test_control_optimizes_the_mean_of_per_micro_batch_means():
     loss_fn = SummedCrossEntropyLoss(num_output_chunks=1)
     micro_batches = [collate([s]) for s in instruct_samples([4, 3], [10, 100])]
 
-    summed, num_tokens, _ = mean_of_means_forward_backward(model, loss_fn, micro_batches, device=CPU)
+    totals = mean_of_means_forward_backward(model, loss_fn, micro_batches, device=CPU)
+    num_tokens = totals.num_tokens
 
     sums, counts = [], []
     for mb in micro_batches:
         labels = shift_labels(mb["labels"])
-        sums.append(loss_fn(by_hand(mb["tokens"]), labels))
+        sums.append(loss_fn(by_hand(mb["tokens"]), labels).loss)
         counts.append(int((labels != IGNORE).sum()))
     mean_of_means = (sums[0] / counts[0] + sums[1] / counts[1]) / 2
     mean_of_means.backward()
     assert counts == [10, 100] and num_tokens == 110
     # what train_step logs (summed / num_tokens) is the quantity the control optimizes
-    assert (summed / num_tokens).item() == pytest.approx(mean_of_means.item(), rel=1e-6)
+    assert totals.mean("loss") == pytest.approx(mean_of_means.item(), rel=1e-6)
     for p, q in zip(model.parameters(), by_hand.parameters()):
         assert rel_diff(p.grad, q.grad) < 1e-5
     exact = (sums[0] + sums[1]).item() / 110
@@ -258,17 +259,14 @@ label position, padding and masked prompt included, so the step loss depends on
 how the step is split into micro-batches."""
 import sys
 
-from torchtune_ext import step
-
-_prepare = step._prepare
+from torchtune_ext import accounting
 
 
-def _count_every_position(micro_batches, device, ignore_index):
-    prepared, _ = _prepare(micro_batches, device, ignore_index)
-    return prepared, sum(labels.numel() for _, labels in prepared)
+def _count_every_position(shifted_labels, ignore_index=-100):
+    return shifted_labels.numel()
 
 
-step._prepare = _count_every_position
+accounting.count_trainable_tokens = _count_every_position
 
 from recipes.full_finetune_single_device import recipe_main  # noqa: E402
 

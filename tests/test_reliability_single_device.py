@@ -12,7 +12,6 @@ import torch
 from omegaconf import OmegaConf
 
 from helpers import REPO_ROOT, read_jsonl, run_tune
-from torchtune_ext.step import steps_per_epoch
 
 RECIPE = "recipes/full_finetune_single_device.py"
 
@@ -72,27 +71,27 @@ def test_resume_after_sigkill_mid_epoch_is_exact(tiny_run):
 
 
 def test_partial_window_at_epoch_end(tiny_run):
-    """7 micro-batches, 4 accumulation steps, 2 epochs: 2 steps per epoch, windows restart each epoch."""
+    """14 samples, 2 x 4 per step, 2 epochs: steps of 8 and 6 samples per epoch, restarting each epoch."""
     config = tiny_run(n_samples=14, batch_size=2, gradient_accumulation_steps=4, epochs=2, shuffle=True, seed=7)
     proc = tune(config)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = read_jsonl(config.parent / "out/logs/metrics.jsonl")
     assert [(r["step"], r["epoch"]) for r in rows] == [(1, 0), (2, 0), (3, 1), (4, 1)]
 
-    # Recompute each window's token count from the same data, sampler and tokenizer.
+    # Recompute each step's token count from the same data and tokenizer: the epoch's
+    # order (DistributedSampler's permutation), 8 samples then the remaining 6.
+    from torch.utils.data import DistributedSampler
     from torchtune import config as tt_config
 
-    from torchtune_ext.data import build_dataloader
-
     cfg = OmegaConf.load(config)
-    tokenizer = tt_config.instantiate(cfg.tokenizer)
-    loader, sampler = build_dataloader(cfg.dataset, tokenizer, batch_size=2, shuffle=True, seed=7, ignore_index=-100)
-    assert len(loader) == 7 and steps_per_epoch(7, 4) == 2
+    dataset = tt_config.instantiate(cfg.dataset, tt_config.instantiate(cfg.tokenizer))
+    assert len(dataset) == 14
     expected = []
     for epoch in range(2):
+        sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=7)
         sampler.set_epoch(epoch)
-        counts = [int((b["labels"][:, 1:] != -100).sum()) for b in loader]
-        expected += [sum(counts[:4]), sum(counts[4:])]  # first step of each epoch = its first 4 micro-batches
+        counts = [sum(label != -100 for label in dataset[i]["labels"][1:]) for i in sampler]
+        expected += [sum(counts[:8]), sum(counts[8:])]
     assert [r["num_tokens"] for r in rows] == expected
     # the LR schedule was built for exactly 4 steps: cosine after 1 warmup step ends at
     # 0.5 * (1 + cos(pi * 2/3)) * lr on step 4
@@ -171,29 +170,28 @@ def test_bad_dataset_file(tiny_run, content):
     from torchtune import config as tt_config
 
     from torchtune_ext.config import ConfigError
-    from torchtune_ext.data import build_dataloader
+    from torchtune_ext.data import build_dataset
 
     config = tiny_run()
     (config.parent / "data.json").write_text(content)
     cfg = OmegaConf.load(config)
     with pytest.raises(ConfigError, match="'dataset'"):
-        build_dataloader(cfg.dataset, tt_config.instantiate(cfg.tokenizer), batch_size=1, shuffle=False,
-                         seed=0, ignore_index=-100)
+        build_dataset(cfg.dataset, tt_config.instantiate(cfg.tokenizer))
 
 
 def test_more_ranks_than_samples_is_refused(tiny_run):
     from torchtune import config as tt_config
 
-    from torchtune_ext.config import ConfigError
-    from torchtune_ext.data import build_dataloader
+    from torchtune_ext.config import ConfigError, validate
+    from torchtune_ext.data import build_step_loader
 
-    cfg = OmegaConf.load(tiny_run(n_samples=3))
+    cfg = validate(OmegaConf.load(tiny_run(n_samples=3)))
     tokenizer = tt_config.instantiate(cfg.tokenizer)
-    kwargs = dict(batch_size=1, shuffle=False, seed=0, ignore_index=-100)
+    kwargs = dict(seed=0, ignore_index=-100, dp_rank=0)
     with pytest.raises(ConfigError, match="'dataset'.*3 sample.*4 data-parallel ranks"):
-        build_dataloader(cfg.dataset, tokenizer, dp_rank=0, dp_world_size=4, **kwargs)
-    loader, _ = build_dataloader(cfg.dataset, tokenizer, dp_rank=0, dp_world_size=3, **kwargs)
-    assert len(loader) == 1
+        build_step_loader(cfg, tokenizer, dp_world_size=4, **kwargs)
+    loader = build_step_loader(cfg, tokenizer, dp_world_size=3, **kwargs)
+    assert len(loader) == 3 and loader.steps_per_epoch == 1
 
 
 def test_output_dir_with_checkpoints_is_not_overwritten(tiny_run):

@@ -8,14 +8,7 @@ import torch.nn.functional as F
 
 from helpers import IGNORE, clone, collate, instruct_samples, rel_diff, text_samples, tiny_model, windows
 from torchtune_ext.loss import SummedCrossEntropyLoss
-from torchtune_ext.step import (
-    NonFiniteError,
-    forward_backward,
-    grad_norm_and_clip,
-    micro_batch_windows,
-    steps_per_epoch,
-    train_step,
-)
+from torchtune_ext.step import NonFiniteError, forward_backward, grad_norm_and_clip, train_step
 
 CPU = torch.device("cpu")
 TOL = 1e-5
@@ -98,10 +91,10 @@ def test_matches_independent_reference(once, chunks):
     model.set_num_output_chunks(chunks)
     loss_fn = SummedCrossEntropyLoss(num_output_chunks=chunks, ignore_index=IGNORE)
     micro = [collate(samples[:2], pad_to=50), collate(samples[2:])]
-    summed, num_tokens, local = forward_backward(model, loss_fn, micro, device=CPU, backward_once_per_step=once)
+    totals = forward_backward(model, loss_fn, micro, device=CPU, backward_once_per_step=once)
     # tokens counted after the shift: one fewer per row than label entries when all are trainable
-    assert num_tokens == local == sum(sum(l != IGNORE for l in s["labels"][1:]) for s in samples)
-    assert abs(summed.item() / num_tokens - ref_loss) <= TOL * ref_loss
+    assert totals.num_tokens == totals.local_num_tokens == sum(sum(l != IGNORE for l in s["labels"][1:]) for s in samples)
+    assert abs(totals.mean("loss") - ref_loss) <= TOL * ref_loss
     for name, p in model.named_parameters():
         assert rel_diff(p.grad, ref_grads[name]) <= TOL, name
 
@@ -113,8 +106,7 @@ def test_count_is_after_shift():
              collate(text_samples([6]))]
     model = tiny_model()
     loss_fn = SummedCrossEntropyLoss(num_output_chunks=1, ignore_index=IGNORE)
-    _, num_tokens, _ = forward_backward(model, loss_fn, micro, device=CPU)
-    assert num_tokens == 5  # 0 from the first row, 6 - 1 from the second
+    assert forward_backward(model, loss_fn, micro, device=CPU).num_tokens == 5  # 0 from the first row, 6 - 1 from the second
 
 
 class ConstantLossModel(torch.nn.Module):
@@ -218,13 +210,3 @@ def test_grad_norm_is_float64_accurate_on_large_gradients():
     # a single fp32 reduction is not good enough at this size: the blocks are what make the difference
     fp32 = torch.cat([p.grad for p in params]).norm().item()
     assert abs(fp32 - exact) / exact > 1e-6
-
-
-def test_windows_do_not_cross_epochs():
-    batches = list(range(7))
-    assert list(micro_batch_windows(batches, 4)) == [[0, 1, 2, 3], [4, 5, 6]]
-    assert list(micro_batch_windows(batches, 4, max_steps=1)) == [[0, 1, 2, 3]]
-    assert list(micro_batch_windows(batches, 1, max_steps=3)) == [[0], [1], [2]]
-    assert steps_per_epoch(7, 4) == 2 and steps_per_epoch(8, 4) == 2 and steps_per_epoch(7, 4, 1) == 1
-    with pytest.raises(ValueError):
-        list(micro_batch_windows(batches, 0))

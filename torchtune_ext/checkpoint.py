@@ -55,9 +55,11 @@ class Progress:
     Attributes:
         step (int): optimizer steps completed (global, 1-based count).
         epoch (int): current epoch, 0-based.
-        steps_in_epoch (int): optimizer steps completed within ``epoch``; the
-            data position is this many windows of micro-batches into the
-            epoch's sampler order.
+        steps_in_epoch (int): optimizer steps completed within ``epoch`` (for
+            ``max_steps_per_epoch``).
+        samples_in_epoch (int): samples of ``epoch``'s order trained on so far,
+            all ranks: the data position, independent of batch size,
+            accumulation and world size.
         skipped_steps (int): optimizer steps skipped so far (empty/non-finite).
         seed (int): the run's seed (sampler order depends on it).
     """
@@ -65,18 +67,22 @@ class Progress:
     step: int = 0
     epoch: int = 0
     steps_in_epoch: int = 0
+    samples_in_epoch: int = 0
     skipped_steps: int = 0
     seed: int = 0
 
-    def complete_step(self, skipped: bool) -> None:
-        """Count a finished optimizer step (``skipped``: it did not update)."""
+    def complete_step(self, skipped: bool, end_sample: int) -> None:
+        """Count a finished optimizer step (``skipped``: it did not update) that
+        ended at sample ``end_sample`` of the epoch's order."""
         self.step += 1
         self.steps_in_epoch += 1
+        self.samples_in_epoch = end_sample
         self.skipped_steps += bool(skipped)
 
     def complete_epoch(self) -> None:
         self.epoch += 1
         self.steps_in_epoch = 0
+        self.samples_in_epoch = 0
 
 
 def nonfinite_error(err: Exception, output_dir: str) -> RuntimeError:

@@ -148,6 +148,10 @@ COMMON_KEYS: Dict[str, Key] = {
     "max_steps_per_epoch": Key(None, _optional_positive_int),
     "gradient_accumulation_steps": Key(1, _positive_int),
     "backward_once_per_step": Key(True, _boolean),
+    # How a step's samples are arranged into micro-batches (torchtune_ext.data.plan_step):
+    # the set of samples per optimizer step, and so the loss, does not depend on it.
+    "group_by_length": Key(True, _boolean),
+    "max_tokens_per_micro_batch": Key(None, _optional_positive_int),
     "clip_grad_norm": Key(None, _optional_positive_float),
     "dtype": Key("fp32", _one_of("fp32", "bf16")),
     "device": Key("auto", _one_of("auto", "cpu", "cuda")),
@@ -298,6 +302,10 @@ def _check_combinations(cfg: DictConfig) -> None:
     max_seq_len = cfg.tokenizer.get("max_seq_len")
     if max_seq_len is not None and (isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 2):
         raise ConfigError("tokenizer.max_seq_len", f"expected an integer >= 2 (one input and one label), got {max_seq_len!r}")
+    budget = cfg.max_tokens_per_micro_batch
+    if budget is not None and max_seq_len is not None and budget < max_seq_len:
+        raise ConfigError("max_tokens_per_micro_batch", f"{budget} is smaller than tokenizer.max_seq_len={max_seq_len}: "
+                          "a sample of that length would not fit; raise the budget or lower tokenizer.max_seq_len")
     if cfg.dtype == "bf16":
         import torch
 

@@ -1,124 +1,94 @@
-"""Dataset and DataLoader construction shared by the recipes."""
+"""Datasets, and the samples of every optimizer step, at any world size.
 
-import itertools
+An epoch is a permutation of the dataset's sample indices, the same on every
+rank and at every world size for a seed (``DistributedSampler``'s). Optimizer
+step ``k`` of an epoch trains on the next ``global_batch_size`` samples of
+that order, where
+
+    global_batch_size = dp_world_size * batch_size * gradient_accumulation_steps
+
+and the last step of an epoch takes what is left (a real, shorter step;
+nothing carries into the next epoch). The position in an epoch is counted in
+samples, so a run resumes at the right sample whatever batch size,
+accumulation or world size it resumes with.
+
+How one step's samples are arranged into micro-batches and spread over ranks
+does not change the step's loss or gradient: both are sums over the step's
+trainable tokens divided by their global count (:mod:`torchtune_ext.accounting`);
+only the floating-point summation order changes. :func:`plan_step` uses that
+freedom: ``group_by_length`` puts samples of similar length into the same
+micro-batch (less padding) and gives every rank's k-th micro-batch a similar
+size (ranks wait less for each other at FSDP's collectives);
+``max_tokens_per_micro_batch`` fills micro-batches up to a token budget
+instead of a sample count, so memory per micro-batch is bounded whatever the
+lengths. Every rank runs the same number of micro-batches per step (FSDP's
+collectives must match); a rank with nothing left gets a label-masked copy of
+a sample, which adds no token and no loss.
+"""
+
+import math
+from dataclasses import dataclass
 from functools import partial
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from omegaconf import ListConfig
-from torch.utils.data import ConcatDataset, DataLoader, Dataset, DistributedSampler
+from torch.utils.data import ConcatDataset, Dataset
 from torchtune import config as tt_config
 from torchtune.data import padded_collate_packed, padded_collate_sft
 
 from torchtune_ext.config import ConfigError
-from torchtune_ext.step import micro_batch_windows
+
+Sample = Dict[str, Any]
+# plan[rank][micro_batch] -> sample indices; an empty micro-batch is a label-masked stand-in
+StepPlan = List[List[List[int]]]
 
 
-class ResumableSampler(DistributedSampler):
-    """``DistributedSampler`` that can start an epoch part-way and never repeats a sample.
-
-    ``set_epoch(epoch, start)`` makes the next iteration skip the first
-    ``start`` indices of this rank's order for ``epoch`` without loading them.
-
-    When the dataset size is not a multiple of the number of ranks,
-    ``DistributedSampler`` (``drop_last=False``) tops the order up by repeating
-    its first samples, so every rank gets the same number of samples and
-    therefore of micro-batches (all ranks must run the same collectives).
-    Counting a repeated sample twice would make a multi-rank step differ from
-    the same step on one rank. This sampler keeps the top-up positions (so
-    the counts stay equal) but yields them as ``index + len(dataset)``, which
-    :class:`PaddingSamples` turns into a copy of the sample whose labels are
-    all ``ignore_index``: it runs forward and backward like any sample and
-    adds no token and no loss. With one rank nothing is topped up and the
-    order is exactly ``DistributedSampler``'s.
-    """
-
-    _start = 0
-
-    def set_epoch(self, epoch: int, start: int = 0) -> None:
-        super().set_epoch(epoch)
-        self._start = start
-
-    def __iter__(self):
-        size = len(self.dataset)
-        # position in the topped-up global order of each index this rank gets
-        positions = range(self.rank, self.total_size, self.num_replicas)
-        order = (index + size if position >= size else index
-                 for position, index in zip(positions, super().__iter__()))
-        return itertools.islice(order, self._start, None)
-
-    def __len__(self) -> int:
-        return max(super().__len__() - self._start, 0)
+def masked_copy(sample: Sample, ignore_index: int) -> Sample:
+    """``sample`` with every label set to ``ignore_index``: it runs forward and
+    backward like any sample and adds no token and no loss."""
+    masked = dict(sample)
+    labels = sample["labels"]
+    if isinstance(labels, torch.Tensor):
+        masked["labels"] = torch.full_like(labels, ignore_index)
+    else:
+        masked["labels"] = [ignore_index] * len(labels)
+    return masked
 
 
-class PaddingSamples(Dataset):
-    """A dataset plus label-masked copies of its samples at ``len(dataset) + i``.
+def collate_packed(batch: List[Sample]) -> Dict[str, torch.Tensor]:
+    """torchtune's ``padded_collate_packed`` plus ``document_ids``.
 
-    Index ``i < len(dataset)`` returns sample ``i`` unchanged; index
-    ``len(dataset) + i`` returns sample ``i`` with every label set to
-    ``ignore_index`` (a list or tensor of the same length), so it contributes
-    zero trainable tokens. ``len`` is the real sample count.
-
-    Args:
-        dataset: map-style dataset whose samples are dicts with ``labels``.
-        ignore_index (int): the loss's ignore index.
-    """
-
-    def __init__(self, dataset: Dataset, ignore_index: int):
-        self.dataset = dataset
-        self.ignore_index = ignore_index
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, index: int) -> Dict[str, Any]:
-        size = len(self.dataset)
-        if index < size:
-            return self.dataset[index]
-        sample = dict(self.dataset[index - size])
-        labels = sample["labels"]
-        if isinstance(labels, torch.Tensor):
-            sample["labels"] = torch.full_like(labels, self.ignore_index)
-        else:
-            sample["labels"] = [self.ignore_index] * len(labels)
-        return sample
-
-
-def build_dataloader(
-    cfg_dataset: Any,
-    tokenizer: Any,
-    *,
-    batch_size: int,
-    shuffle: bool,
-    seed: int,
-    ignore_index: int,
-    dp_rank: int = 0,
-    dp_world_size: int = 1,
-) -> Tuple[DataLoader, ResumableSampler]:
-    """Build the micro-batch DataLoader and its sampler.
-
-    Every sample is used once (``drop_last=False``): a short last micro-batch
-    is fine because the loss is normalized by tokens, not by batch size. With
-    several ranks and a dataset size that does not divide evenly, some ranks
-    get label-masked top-up samples (see :class:`ResumableSampler`). The
-    sampler is a ``DistributedSampler`` even on one rank, so a run with
-    ``dp_world_size`` ranks and one with a single rank draw the same
-    permutation for the same ``seed`` and epoch (call ``sampler.set_epoch``).
-
-    Args:
-        cfg_dataset: a dataset config (``_component_`` plus arguments, e.g.
-            ``packed: true``) or a list of them, concatenated.
-        tokenizer: the model tokenizer passed to the dataset builders; its
-            ``pad_id`` pads the tokens of unpacked batches.
-        batch_size (int): samples per micro-batch on this rank.
-        ignore_index (int): label padding value (the loss's ignore_index).
+    ``document_ids[b, t]`` numbers the documents of pack ``b`` (from the pack's
+    ``seq_lens``; the padding at the end of a pack is a document of its own),
+    so that the label shift can stop at document boundaries
+    (:func:`torchtune_ext.loss.shift_labels`). The block-causal ``mask`` and
+    the per-document ``input_pos`` already keep attention inside a document.
 
     Returns:
-        (DataLoader, ResumableSampler)
+        dict with ``tokens``, ``labels``, ``input_pos``, ``document_ids``
+        ``[batch, seq_len]`` and ``mask`` (as torchtune builds it).
+    """
+    out = padded_collate_packed(batch)
+    ids = []
+    for pack in batch:
+        seq_lens = torch.as_tensor(pack["seq_lens"], dtype=torch.long)
+        ids.append(torch.repeat_interleave(torch.arange(len(seq_lens)), seq_lens))
+    out["document_ids"] = torch.stack(ids)
+    if out["document_ids"].shape != out["labels"].shape:
+        raise ValueError("a pack's seq_lens do not add up to its length")
+    return out
+
+
+def build_dataset(cfg_dataset: Any, tokenizer: Any) -> Tuple[Dataset, bool]:
+    """Instantiate the ``dataset`` config (one dataset or a list, concatenated).
+
+    Returns:
+        (dataset, packed)
 
     Raises:
-        ConfigError: if the dataset yields no sample or fewer samples than
-            ``dp_world_size``, or packed and unpacked datasets are mixed.
+        ConfigError: if a dataset cannot be loaded, yields no sample, or packed
+            and unpacked datasets are mixed.
     """
     cfgs = list(cfg_dataset) if isinstance(cfg_dataset, (list, ListConfig)) else [cfg_dataset]
     packed = {bool(c.get("packed", False)) for c in cfgs}
@@ -135,43 +105,279 @@ def build_dataloader(
     dataset = datasets[0] if len(datasets) == 1 else ConcatDataset(datasets)
     if len(dataset) == 0:
         raise ConfigError("dataset", "the dataset yields zero samples")
-    if len(dataset) < dp_world_size:
-        # Top-up copies would be all a rank trains on: a run that cannot learn there.
-        raise ConfigError("dataset", f"the dataset yields {len(dataset)} sample(s), fewer than the "
-                          f"{dp_world_size} data-parallel ranks; use fewer processes or more data")
-
-    collate = (
-        padded_collate_packed
-        if packed.pop()
-        else partial(padded_collate_sft, padding_idx=tokenizer.pad_id, ignore_idx=ignore_index)
-    )
-    dataset = PaddingSamples(dataset, ignore_index)
-    sampler = ResumableSampler(
-        dataset, num_replicas=dp_world_size, rank=dp_rank, shuffle=shuffle, seed=seed, drop_last=False
-    )
-    # A private generator: starting an epoch's iterator draws a seed from it,
-    # which would otherwise come from the global RNG and shift dropout masks
-    # after a mid-epoch resume.
-    loader = DataLoader(
-        dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate, drop_last=False,
-        generator=torch.Generator().manual_seed(seed),
-    )
-    return loader, sampler
+    return dataset, packed.pop()
 
 
+def make_collate(packed: bool, pad_id: int, ignore_index: int) -> Callable[[List[Sample]], Dict[str, Any]]:
+    """The collator for a dataset: :func:`collate_packed`, or torchtune's right-padding SFT collator."""
+    if packed:
+        return collate_packed
+    return partial(padded_collate_sft, padding_idx=pad_id, ignore_idx=ignore_index)
 
-def epoch_windows(
-    loader: DataLoader, sampler: ResumableSampler, epoch: int, steps_done: int,
-    gradient_accumulation_steps: int, max_steps_per_epoch: Optional[int] = None,
-) -> Iterator[List[Dict[str, Any]]]:
-    """The optimizer-step windows of ``epoch`` that remain after ``steps_done``.
 
-    Reshuffles for ``epoch`` (same order on every rank and at every world size
-    for the seed), skips the samples of the first ``steps_done`` windows
-    without loading them (resume), and yields windows of
-    ``gradient_accumulation_steps`` micro-batches, the last possibly shorter,
-    at most ``max_steps_per_epoch`` per epoch in total.
+def epoch_order(size: int, epoch: int, seed: int, shuffle: bool) -> List[int]:
+    """The epoch's sample order: ``DistributedSampler``'s permutation for ``seed + epoch``."""
+    if not shuffle:
+        return list(range(size))
+    generator = torch.Generator()
+    generator.manual_seed(seed + epoch)
+    return torch.randperm(size, generator=generator).tolist()
+
+
+def plan_step(
+    num_samples: int,
+    lengths: Optional[Sequence[int]] = None,
+    *,
+    dp_world_size: int = 1,
+    batch_size: int,
+    group_by_length: bool = False,
+    max_tokens_per_micro_batch: Optional[int] = None,
+) -> StepPlan:
+    """Arrange one optimizer step's samples into micro-batches on each rank.
+
+    Samples are referred to by their position ``0 .. num_samples - 1`` in the
+    step. Every position appears exactly once in the plan; every rank gets the
+    same number of micro-batches; an empty micro-batch means "a label-masked
+    stand-in" (a rank with nothing left to train on in that slot).
+
+    * Default: rank ``r`` takes positions ``r, r + W, r + 2W, ...``
+      (``W = dp_world_size``) in order, ``batch_size`` per micro-batch:
+      ``DistributedSampler``'s split, so one rank with batch ``N`` and ``N``
+      ranks with batch 1 see the same samples.
+    * ``group_by_length``: positions sorted by length, longest first; the
+      k-th ``W * batch_size`` of them form every rank's k-th micro-batch,
+      dealt round-robin so the ranks' micro-batches have similar lengths.
+    * ``max_tokens_per_micro_batch`` (``B``): positions sorted by length,
+      longest first, are dealt to the rank with the fewest tokens so far;
+      each rank then fills micro-batches in that order while
+      ``samples * longest <= B`` (the padded size of a micro-batch);
+      ``batch_size`` no longer bounds a micro-batch. Micro-batches are
+      ordered largest first on every rank, so slot ``k`` costs about the
+      same everywhere.
+
+    Args:
+        num_samples: samples in the step, >= 1.
+        lengths: token count of each sample (``len(sample["tokens"])``); needed
+            for ``group_by_length`` and ``max_tokens_per_micro_batch``.
+        dp_world_size: data-parallel ranks.
+        batch_size: samples per micro-batch per rank.
+        group_by_length: see above.
+        max_tokens_per_micro_batch: see above; None: no budget.
+
+    Returns:
+        ``plan[rank][micro_batch]``: lists of positions.
+
+    Raises:
+        ValueError: ``lengths`` missing where needed, or a sample longer than
+            ``max_tokens_per_micro_batch``.
     """
-    sampler.set_epoch(epoch, start=steps_done * gradient_accumulation_steps * loader.batch_size)
-    remaining = None if max_steps_per_epoch is None else max_steps_per_epoch - steps_done
-    return micro_batch_windows(loader, gradient_accumulation_steps, remaining)
+    world = dp_world_size
+    if (group_by_length or max_tokens_per_micro_batch) and (lengths is None or len(lengths) != num_samples):
+        raise ValueError("plan_step: grouping and token budgets need one length per sample")
+    longest_first = sorted(range(num_samples), key=lambda i: (-lengths[i], i)) if lengths is not None else None
+    plan: StepPlan
+    if max_tokens_per_micro_batch:
+        budget = max_tokens_per_micro_batch
+        too_long = [i for i in range(num_samples) if lengths[i] > budget]
+        if too_long:
+            raise ValueError(f"a sample of {lengths[too_long[0]]} tokens does not fit in "
+                             f"max_tokens_per_micro_batch={budget}")
+        shares: List[List[int]] = [[] for _ in range(world)]
+        loads = [0] * world
+        for i in longest_first:
+            rank = min(range(world), key=lambda r: (loads[r], r))
+            shares[rank].append(i)
+            loads[rank] += lengths[i]
+        plan = []
+        for share in shares:
+            micro_batches: List[List[int]] = []
+            for i in share:  # longest first: the first sample of a micro-batch sets its padded length
+                if micro_batches and (len(micro_batches[-1]) + 1) * lengths[micro_batches[-1][0]] <= budget:
+                    micro_batches[-1].append(i)
+                else:
+                    micro_batches.append([i])
+            micro_batches.sort(key=lambda mb: (-len(mb) * lengths[mb[0]], mb[0]))
+            plan.append(micro_batches)
+    elif group_by_length:
+        slot = world * batch_size
+        plan = [[] for _ in range(world)]
+        for start in range(0, num_samples, slot):
+            group = longest_first[start:start + slot]
+            for rank in range(world):
+                plan[rank].append(group[rank::world])
+    else:
+        plan = []
+        for rank in range(world):
+            mine = list(range(rank, num_samples, world))
+            plan.append([mine[i:i + batch_size] for i in range(0, len(mine), batch_size)])
+    slots = max(len(micro_batches) for micro_batches in plan)
+    for micro_batches in plan:
+        micro_batches.extend([] for _ in range(slots - len(micro_batches)))
+    return plan
+
+
+@dataclass
+class StepData:
+    """One optimizer step's data on this rank.
+
+    Attributes:
+        micro_batches: collated micro-batches of this rank, in order.
+        num_samples (int): samples in the step, all ranks.
+        end_sample (int): the epoch position after this step, in samples.
+        num_padded_positions (int): token positions of this rank's micro-batches
+            as collated (real tokens plus padding, ``batch * seq_len`` summed),
+            stand-ins for empty slots included.
+        num_real_tokens (int): non-padding input tokens of this rank's samples
+            (stand-ins excluded).
+    """
+
+    micro_batches: List[Dict[str, Any]]
+    num_samples: int
+    end_sample: int
+    num_padded_positions: int
+    num_real_tokens: int
+
+
+def _real_length(sample: Sample, ignore_index: int) -> int:
+    """Non-padding tokens of a sample: its length, or for a pack its length less the trailing padding.
+
+    torchtune's ``PackedDataset`` pads a pack with one extra ``seq_lens`` entry
+    whose labels are all ``ignore_index``; a pack's last document whose labels
+    are all masked would be counted as padding too (rare, and it trains nothing).
+    """
+    if "seq_lens" not in sample:
+        return len(sample["tokens"])
+    seq_lens = [int(n) for n in sample["seq_lens"]]
+    tail = torch.as_tensor(sample["labels"])[len(sample["tokens"]) - seq_lens[-1]:]
+    padding = seq_lens[-1] if len(seq_lens) > 1 and bool((tail == ignore_index).all()) else 0
+    return len(sample["tokens"]) - padding
+
+
+class StepLoader:
+    """This rank's micro-batches for each optimizer step of an epoch.
+
+    Args:
+        dataset: map-style dataset of torchtune samples (``tokens``, ``labels``,
+            and for packs ``input_pos``, ``seq_lens``).
+        collate_fn: builds a micro-batch from a list of samples (:func:`make_collate`).
+        batch_size: samples per micro-batch per rank.
+        gradient_accumulation_steps: micro-batches per optimizer step per rank
+            (without a token budget).
+        seed, shuffle: the epoch order (:func:`epoch_order`).
+        ignore_index: label value of masked positions (for stand-ins).
+        dp_rank, dp_world_size: this rank and the number of data-parallel ranks.
+        group_by_length, max_tokens_per_micro_batch: see :func:`plan_step`.
+        max_steps_per_epoch: stop an epoch after this many optimizer steps.
+
+    Raises:
+        ConfigError: (key ``dataset``) fewer samples than ``dp_world_size``.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        collate_fn: Callable[[List[Sample]], Dict[str, Any]],
+        *,
+        batch_size: int,
+        gradient_accumulation_steps: int = 1,
+        seed: int = 0,
+        shuffle: bool = True,
+        ignore_index: int = -100,
+        dp_rank: int = 0,
+        dp_world_size: int = 1,
+        group_by_length: bool = False,
+        max_tokens_per_micro_batch: Optional[int] = None,
+        max_steps_per_epoch: Optional[int] = None,
+    ):
+        if len(dataset) < dp_world_size:
+            # Stand-ins would be all a rank trains on: a run that cannot learn there.
+            raise ConfigError("dataset", f"the dataset yields {len(dataset)} sample(s), fewer than the "
+                              f"{dp_world_size} data-parallel ranks; use fewer processes or more data")
+        self.dataset, self.collate_fn = dataset, collate_fn
+        self.batch_size, self.gradient_accumulation_steps = batch_size, gradient_accumulation_steps
+        self.seed, self.shuffle, self.ignore_index = seed, shuffle, ignore_index
+        self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
+        self.group_by_length, self.max_tokens_per_micro_batch = group_by_length, max_tokens_per_micro_batch
+        self.max_steps_per_epoch = max_steps_per_epoch
+
+    @property
+    def global_batch_size(self) -> int:
+        """Samples per optimizer step, all ranks."""
+        return self.dp_world_size * self.batch_size * self.gradient_accumulation_steps
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Optimizer steps of a whole epoch (the last one possibly shorter), at most ``max_steps_per_epoch``."""
+        return self.remaining_steps(0, 0)
+
+    def remaining_steps(self, start_sample: int, steps_done: int) -> int:
+        """Optimizer steps left in an epoch at sample ``start_sample`` after ``steps_done`` steps."""
+        steps = math.ceil(max(len(self.dataset) - start_sample, 0) / self.global_batch_size)
+        if self.max_steps_per_epoch is not None:
+            steps = min(steps, max(self.max_steps_per_epoch - steps_done, 0))
+        return steps
+
+    def epoch(self, epoch: int, start_sample: int = 0, steps_done: int = 0) -> Iterator[StepData]:
+        """The steps of ``epoch`` from sample ``start_sample`` on, ``steps_done`` steps into it."""
+        order = epoch_order(len(self.dataset), epoch, self.seed, self.shuffle)
+        position = start_sample
+        for _ in range(self.remaining_steps(start_sample, steps_done)):
+            indices = order[position:position + self.global_batch_size]
+            position += len(indices)
+            yield self.load_step(indices, end_sample=position)
+
+    def load_step(self, indices: Sequence[int], end_sample: int = 0) -> StepData:
+        """Plan and collate this rank's micro-batches for the step made of ``indices``."""
+        needs_lengths = self.group_by_length or bool(self.max_tokens_per_micro_batch)
+        cache: Dict[int, Sample] = {}
+
+        def sample(position: int) -> Sample:
+            if position not in cache:
+                cache[position] = self.dataset[indices[position]]
+            return cache[position]
+
+        lengths = [len(sample(p)["tokens"]) for p in range(len(indices))] if needs_lengths else None
+        try:
+            plan = plan_step(len(indices), lengths, dp_world_size=self.dp_world_size, batch_size=self.batch_size,
+                             group_by_length=self.group_by_length,
+                             max_tokens_per_micro_batch=self.max_tokens_per_micro_batch)
+        except ValueError as err:
+            raise ConfigError("max_tokens_per_micro_batch", f"{err}; raise it, or lower tokenizer.max_seq_len "
+                              "so that samples are truncated to fit") from None
+        micro_batches, padded, real = [], 0, 0
+        for positions in plan[self.dp_rank]:
+            if positions:
+                samples = [sample(p) for p in positions]
+                real += sum(_real_length(s, self.ignore_index) for s in samples)
+            else:  # nothing left for this rank in this slot: a stand-in that adds no token
+                known = sorted(cache) or [0]
+                shortest = min(known, key=lambda p: (len(sample(p)["tokens"]), p))
+                samples = [masked_copy(sample(shortest), self.ignore_index)]
+            batch = self.collate_fn(samples)
+            padded += batch["tokens"].numel()
+            micro_batches.append(batch)
+        return StepData(micro_batches, len(indices), end_sample, padded, real)
+
+
+def build_step_loader(cfg: Any, tokenizer: Any, *, seed: int, ignore_index: int,
+                      dp_rank: int = 0, dp_world_size: int = 1) -> StepLoader:
+    """The training :class:`StepLoader` of a validated recipe config.
+
+    Reads ``dataset``, ``batch_size``, ``gradient_accumulation_steps``,
+    ``shuffle``, ``group_by_length``, ``max_tokens_per_micro_batch`` and
+    ``max_steps_per_epoch``.
+
+    Raises:
+        ConfigError: as :func:`build_dataset` and :class:`StepLoader`.
+    """
+    dataset, packed = build_dataset(cfg.dataset, tokenizer)
+    return StepLoader(
+        dataset, make_collate(packed, tokenizer.pad_id, ignore_index), batch_size=cfg.batch_size,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps, seed=seed, shuffle=cfg.shuffle,
+        ignore_index=ignore_index, dp_rank=dp_rank, dp_world_size=dp_world_size,
+        group_by_length=cfg.group_by_length, max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch,
+        max_steps_per_epoch=cfg.max_steps_per_epoch,
+    )

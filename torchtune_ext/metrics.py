@@ -95,7 +95,9 @@ def step_record(
     Keys: ``step`` (1-based optimizer step), ``epoch`` (0-based), ``loss``
     (the optimized global step loss, nats per trainable token; absent for a
     skipped step), ``lr``, ``grad_norm`` (global L2 norm before clipping;
-    absent for a skipped step), ``num_tokens`` (trainable label tokens after
+    absent for a skipped step), the loss's token metrics (``token_accuracy``,
+    ``entropy``: means over the step's trainable tokens, absent for a skipped
+    step), ``num_tokens`` (trainable label tokens after
     the shift, all ranks: padding and masked prompts excluded),
     ``tokens_per_second`` (num_tokens / step wall time), ``step_seconds``,
     ``peak_memory_gib`` (see :func:`peak_memory_gib`), ``skipped_steps``
@@ -106,6 +108,7 @@ def step_record(
     if result.skipped is None:
         record["loss"] = result.loss
         record["grad_norm"] = result.grad_norm
+        record.update(result.metrics)
     record.update(
         lr=lr,
         num_tokens=result.num_tokens,

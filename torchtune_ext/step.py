@@ -2,13 +2,15 @@
 
 Order of work, the same in both backward modes:
 
-1. shift every micro-batch's labels once and count the trainable tokens of
-   that shifted tensor, before any forward;
+1. shift every micro-batch's labels once (never across the documents of a
+   pack) and count the trainable tokens of that shifted tensor, before any
+   forward (:class:`torchtune_ext.accounting.TokenTally`);
 2. sum the count over data-parallel ranks (one scalar all-reduce);
 3. forward each micro-batch with a sum-reduced loss and backward on
    ``summed_loss / global_num_tokens`` -- normalized before backward, so no
    gradient ever holds an unnormalized sum and none is rescaled afterwards;
-4. global gradient norm (before clipping), optional clipping, non-finite
+4. sum the loss and the token metrics over ranks (one small all-reduce);
+5. global gradient norm (before clipping), optional clipping, non-finite
    check, optimizer step.
 
 ``backward_once_per_step=True`` keeps the graphs of all micro-batches and
@@ -25,20 +27,20 @@ to 1 so that FSDP sums instead of averaging.
 
 import logging
 import math
-from dataclasses import dataclass
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from torchtune_ext.accounting import count_trainable_tokens, global_sum
-from torchtune_ext.loss import SummedCrossEntropyLoss, shift_labels
+from torchtune_ext.accounting import TokenTally, TokenTotals
+from torchtune_ext.loss import SummedCrossEntropyLoss, TokenSums, shift_labels
 
 log = logging.getLogger(__name__)
 
-MicroBatch = Dict[str, torch.Tensor]
+MicroBatch = Dict[str, Any]
 
 
 class NonFiniteError(RuntimeError):
@@ -65,6 +67,10 @@ class StepResult:
             over all trainable parameters (all shards), before clipping.
         skipped (str | None): why the optimizer step was skipped ("empty":
             no trainable token on any rank; "non-finite"), None if it ran.
+        metrics (dict): the loss's token metrics as means over the step's
+            trainable tokens, all ranks (``token_accuracy``: fraction of
+            positions whose argmax is the label; ``entropy``: nats); empty
+            when the step had no trainable token.
     """
 
     loss: Optional[float]
@@ -72,53 +78,15 @@ class StepResult:
     local_num_tokens: int
     grad_norm: Optional[float]
     skipped: Optional[str] = None
-
-
-def micro_batch_windows(
-    micro_batches: Iterable[MicroBatch], gradient_accumulation_steps: int, max_steps: Optional[int] = None
-) -> Iterator[List[MicroBatch]]:
-    """Group an epoch's micro-batches into optimizer-step windows.
-
-    Every window has ``gradient_accumulation_steps`` micro-batches except
-    possibly the last, which is shorter and still a full optimizer step of its
-    own. Windows never span two epochs: call this once per epoch.
-
-    Args:
-        micro_batches: the epoch's micro-batches (e.g. a DataLoader).
-        gradient_accumulation_steps (int): micro-batches per optimizer step, >= 1.
-        max_steps (int, optional): stop after this many windows.
-
-    Yields:
-        list of micro-batches, length in ``[1, gradient_accumulation_steps]``.
-    """
-    if gradient_accumulation_steps < 1:
-        raise ValueError(f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}")
-    window: List[MicroBatch] = []
-    emitted = 0
-    for micro_batch in micro_batches:
-        if max_steps is not None and emitted >= max_steps:
-            return
-        window.append(micro_batch)
-        if len(window) == gradient_accumulation_steps:
-            yield window
-            emitted += 1
-            window = []
-    if window and (max_steps is None or emitted < max_steps):
-        yield window
-
-
-def steps_per_epoch(num_micro_batches: int, gradient_accumulation_steps: int, max_steps: Optional[int] = None) -> int:
-    """Optimizer steps :func:`micro_batch_windows` yields for an epoch (ceil division, capped)."""
-    steps = -(-num_micro_batches // gradient_accumulation_steps)
-    return steps if max_steps is None else min(steps, max_steps)
+    metrics: Dict[str, float] = field(default_factory=dict)
 
 
 def build_lr_scheduler(cfg_lr_scheduler: Any, optimizer: torch.optim.Optimizer, num_training_steps: int):
     """Instantiate the ``lr_scheduler`` config for ``num_training_steps`` optimizer steps.
 
-    ``num_training_steps`` is ``epochs * steps_per_epoch(...)``: it counts
-    optimizer steps, short end-of-epoch windows included. Returns None when
-    the config is null (or ``lr_scheduler=null`` on the command line).
+    ``num_training_steps`` counts optimizer steps, short end-of-epoch steps
+    included. Returns None when the config is null (or ``lr_scheduler=null``
+    on the command line).
     """
     from torchtune import config as tt_config
 
@@ -129,23 +97,37 @@ def build_lr_scheduler(cfg_lr_scheduler: Any, optimizer: torch.optim.Optimizer, 
     return tt_config.instantiate(cfg_lr_scheduler, optimizer, num_training_steps=num_training_steps)
 
 
-def _prepare(
-    micro_batches: Sequence[MicroBatch], device: torch.device, ignore_index: int
-) -> Tuple[List[Tuple[MicroBatch, torch.Tensor]], int]:
-    """Shift labels once, count from that very tensor, then move to device."""
-    prepared, num_tokens = [], 0
-    for micro_batch in micro_batches:
-        inputs = dict(micro_batch)
-        labels = shift_labels(inputs.pop("labels"), ignore_index)
-        num_tokens += count_trainable_tokens(labels, ignore_index)
-        inputs = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-        prepared.append((inputs, labels.to(device, non_blocking=True)))
-    return prepared, num_tokens
+def prepare_micro_batch(
+    micro_batch: MicroBatch, device: torch.device, ignore_index: int
+) -> Tuple[MicroBatch, torch.Tensor]:
+    """Split a collated micro-batch into model inputs and shifted labels, on ``device``.
+
+    The labels are shifted here and nowhere else (:func:`torchtune_ext.loss.shift_labels`),
+    using the pack's ``document_ids`` when present (they are not a model input).
+
+    Args:
+        micro_batch: a collator's dict with ``tokens`` and ``labels``
+            ``[batch, seq_len]`` (unshifted) and optionally ``mask``,
+            ``input_pos`` and ``document_ids`` (packed data). Not modified.
+        device: where the model lives.
+        ignore_index: the loss's ignore index.
+
+    Returns:
+        (inputs, shifted_labels): the keyword arguments of the model (with
+        ``tokens``) and the ``[batch, seq_len]`` labels the loss and the count use.
+    """
+    inputs = dict(micro_batch)
+    labels = shift_labels(inputs.pop("labels"), ignore_index, inputs.pop("document_ids", None))
+    inputs = {k: v.to(device, non_blocking=True) if hasattr(v, "to") else v for k, v in inputs.items()}
+    return inputs, labels.to(device, non_blocking=True)
 
 
-def _forward(model: nn.Module, inputs: MicroBatch) -> Any:
+def forward_sums(model: nn.Module, loss_fn: SummedCrossEntropyLoss, inputs: MicroBatch,
+                 shifted_labels: torch.Tensor) -> TokenSums:
+    """Forward one prepared micro-batch and return the loss's sums over its trainable tokens."""
+    inputs = dict(inputs)
     tokens = inputs.pop("tokens")
-    return model(tokens, **inputs)
+    return loss_fn(model(tokens, **inputs), shifted_labels)
 
 
 def forward_backward(
@@ -156,51 +138,56 @@ def forward_backward(
     device: torch.device,
     backward_once_per_step: bool = True,
     dp_group=None,
-) -> Tuple[torch.Tensor, int, int]:
+) -> TokenTotals:
     """Accumulate the normalized gradient of one optimizer step.
 
     Args:
         model: torchtune ``TransformerDecoder`` (possibly LoRA, FSDP2-sharded);
             called as ``model(tokens, mask=..., input_pos=...)``.
         loss_fn: sum-reduced loss; its ``ignore_index`` defines trainable tokens.
-        micro_batches: dicts from a torchtune collator with ``tokens`` and
-            ``labels`` ``[batch, seq_len]`` (unshifted) and optionally
-            ``mask`` and ``input_pos`` (packed data). Not modified.
+        micro_batches: dicts from a collator (see :func:`prepare_micro_batch`).
+            Not modified.
         device: where the model lives.
         backward_once_per_step: one backward on the accumulated sum (True) or
             one backward per micro-batch (False).
         dp_group: data-parallel process group (None: default group, or none).
 
     Returns:
-        (summed_loss, num_tokens, local_num_tokens): the step's summed
-        cross-entropy over all ranks (fp32 scalar tensor, nats, detached), the
-        global and the local trainable token counts. If ``num_tokens`` is 0 no
-        forward or backward ran (on any rank: the count is global) and
-        ``summed_loss`` is 0.
+        TokenTotals: the step's global and local trainable token counts and
+        the global sums of the loss (nats) and the loss's metrics. If
+        ``num_tokens`` is 0 no forward or backward ran (on any rank: the count
+        is global) and every sum is 0.
     """
-    prepared, local_num_tokens = _prepare(micro_batches, device, loss_fn.ignore_index)
-    num_tokens = int(global_sum(torch.tensor(local_num_tokens, device=device), dp_group).item())
-    local_sum = torch.zeros((), dtype=torch.float32, device=device)
+    tally = TokenTally(loss_fn.metric_names, device, loss_fn.ignore_index)
+    prepared = []
+    for micro_batch in micro_batches:
+        inputs, labels = prepare_micro_batch(micro_batch, device, loss_fn.ignore_index)
+        tally.count(labels)
+        prepared.append((inputs, labels))
+    num_tokens = tally.global_num_tokens(dp_group)
     if num_tokens == 0:
-        return local_sum, 0, 0
+        return TokenTotals(0, 0, dict.fromkeys(tally.names, 0.0))
 
     can_defer_sync = hasattr(model, "set_requires_gradient_sync")
     if backward_once_per_step:
+        step_loss = 0
         for inputs, labels in prepared:
-            local_sum = local_sum + loss_fn(_forward(model, inputs), labels)
-        (local_sum / num_tokens).backward()
+            sums = forward_sums(model, loss_fn, inputs, labels)
+            tally.add(sums)
+            step_loss = step_loss + sums.loss
+        (step_loss / num_tokens).backward()
     else:
         last = len(prepared) - 1
         for i, (inputs, labels) in enumerate(prepared):
             if can_defer_sync:
                 # FSDP2: reduce-scatter once per step, after the last micro-batch.
                 model.set_requires_gradient_sync(i == last)
-            summed = loss_fn(_forward(model, inputs), labels)
-            (summed / num_tokens).backward()
-            local_sum = local_sum + summed.detach()
+            sums = forward_sums(model, loss_fn, inputs, labels)
+            (sums.loss / num_tokens).backward()
+            tally.add(sums)
         if can_defer_sync:
             model.set_requires_gradient_sync(True)
-    return global_sum(local_sum.detach(), dp_group), num_tokens, local_num_tokens
+    return tally.totals(dp_group)
 
 
 _NORM_BLOCK = 1024
@@ -301,16 +288,18 @@ def train_step(
         NonFiniteError: non-finite loss or gradient norm and
             ``skip_nonfinite_steps`` is False. Parameters are left unchanged.
     """
-    summed_loss, num_tokens, local_num_tokens = forward_backward(
+    totals = forward_backward(
         model, loss_fn, micro_batches, device=device,
         backward_once_per_step=backward_once_per_step, dp_group=dp_group,
     )
+    num_tokens, local_num_tokens = totals.num_tokens, totals.local_num_tokens
     if num_tokens == 0:
         optimizer.zero_grad(set_to_none=True)
         log.warning("Optimizer step %d skipped: no trainable token in any of its micro-batches.", step)
         return StepResult(None, 0, 0, None, skipped="empty")
 
-    loss = (summed_loss / num_tokens).item()
+    means = totals.means()
+    loss = means.pop("loss")
     params = [p for group in optimizer.param_groups for p in group["params"]]
     grad_norm = grad_norm_and_clip(params, clip_grad_norm).item()
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
@@ -318,8 +307,8 @@ def train_step(
         if not skip_nonfinite_steps:
             raise NonFiniteError(step, loss, grad_norm)
         log.warning("Optimizer step %d skipped: loss=%s grad_norm=%s", step, loss, grad_norm)
-        return StepResult(loss, num_tokens, local_num_tokens, grad_norm, skipped="non-finite")
+        return StepResult(loss, num_tokens, local_num_tokens, grad_norm, skipped="non-finite", metrics=means)
 
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss, num_tokens, local_num_tokens, grad_norm)
+    return StepResult(loss, num_tokens, local_num_tokens, grad_norm, metrics=means)

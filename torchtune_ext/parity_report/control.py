@@ -19,13 +19,14 @@ shows how far that is from the exact step loss.
 import os
 import runpy
 import sys
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from torchtune_ext import step
+from torchtune_ext.accounting import TokenTotals, count_trainable_tokens
 from torchtune_ext.loss import SummedCrossEntropyLoss
 
 
@@ -37,7 +38,7 @@ def mean_of_means_forward_backward(
     device: torch.device,
     backward_once_per_step: bool = True,
     dp_group=None,
-) -> Tuple[torch.Tensor, int, int]:
+) -> TokenTotals:
     """Drop-in for :func:`torchtune_ext.step.forward_backward` with the inexact normalization.
 
     Backward runs on ``(summed_loss_i / tokens_i) / M`` for each of the ``M``
@@ -47,10 +48,10 @@ def mean_of_means_forward_backward(
     the weighting error this control is meant to show.
 
     Returns:
-        ``(mean_of_means * num_tokens, num_tokens, num_tokens)``: scaled so that
-        :func:`torchtune_ext.step.train_step`, which logs ``summed_loss /
+        TokenTotals whose ``loss`` sum is ``mean_of_means * num_tokens``: scaled
+        so that :func:`torchtune_ext.step.train_step`, which logs ``loss sum /
         num_tokens``, logs the mean of the per-micro-batch means -- the loss
-        this control actually optimizes.
+        this control actually optimizes. No token metrics.
 
     Raises:
         RuntimeError: under data parallelism (the control is single-device).
@@ -61,14 +62,15 @@ def mean_of_means_forward_backward(
     mean_of_means = torch.zeros((), dtype=torch.float32, device=device)
     num_tokens = 0
     for micro_batch in micro_batches:
-        [(inputs, labels)], tokens = step._prepare([micro_batch], device, loss_fn.ignore_index)
+        inputs, labels = step.prepare_micro_batch(micro_batch, device, loss_fn.ignore_index)
+        tokens = count_trainable_tokens(labels, loss_fn.ignore_index)
         num_tokens += tokens
         if tokens == 0:
             continue
-        micro_mean = loss_fn(step._forward(model, inputs), labels) / tokens
+        micro_mean = step.forward_sums(model, loss_fn, inputs, labels).loss / tokens
         (micro_mean / num_micro_batches).backward()
         mean_of_means = mean_of_means + micro_mean.detach() / num_micro_batches
-    return mean_of_means * num_tokens, num_tokens, num_tokens
+    return TokenTotals(num_tokens, num_tokens, {"loss": (mean_of_means * num_tokens).item()})
 
 
 def recipe_module(recipe: str) -> str:

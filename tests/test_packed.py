@@ -1,0 +1,99 @@
+"""Packing is one more way to batch: no prediction across documents, and packed = unpacked, exactly."""
+
+import json
+
+import pytest
+import torch
+from torchtune.datasets import PackedDataset
+
+from helpers import IGNORE, clone, collate, instruct_samples, rel_diff, text_samples, tiny_lora_model, tiny_model
+from torchtune_ext.accounting import count_trainable_tokens
+from torchtune_ext.data import collate_packed
+from torchtune_ext.loss import SummedCrossEntropyLoss
+from torchtune_ext.step import prepare_micro_batch, train_step
+
+CPU = torch.device("cpu")
+TOL = 1e-5
+
+
+def packed_count(packs):
+    _, labels = prepare_micro_batch(collate_packed(list(packs)), CPU, IGNORE)
+    return count_trainable_tokens(labels, IGNORE)
+
+
+def test_two_lines_of_hamlet_have_ten_predictions_not_eleven(smollm2_assets, tmp_path):
+    """The issue's example: "To be or not to be" (6 predictions) and "That is the question" (4), packed."""
+    from torchtune.datasets import text_completion_dataset
+
+    from torchtune_ext.tokenizer import smollm2_tokenizer
+
+    data = tmp_path / "hamlet.jsonl"
+    data.write_text("\n".join(json.dumps({"text": t}) for t in ["To be or not to be", "That is the question"]))
+    tokenizer = smollm2_tokenizer(str(smollm2_assets / "SmolLM2-135M-Instruct"), max_seq_len=32)
+    unpacked = text_completion_dataset(tokenizer, source="json", data_files=str(data), split="train")
+    assert [len(s["tokens"]) for s in unpacked] == [7, 5]  # with <|endoftext|> at the end of each
+    packs = text_completion_dataset(tokenizer, source="json", data_files=str(data), split="train", packed=True)
+    assert len(packs) == 1
+    assert packed_count(packs) == 10
+    # what a shift over the whole pack would count: the first document's <|endoftext|> "predicts" "That"
+    naive = torch.nn.functional.pad(packs[0]["labels"][1:], (0, 1), value=IGNORE)
+    assert count_trainable_tokens(naive, IGNORE) == 11
+
+
+DOCUMENTS = {
+    "text": lambda: text_samples([5, 17, 2, 30, 9, 23, 11, 4, 26, 13, 7, 19]),
+    "instruct": lambda: instruct_samples([10, 3, 20, 6, 15, 2, 8, 25, 4, 12, 9, 5],
+                                         [4, 20, 2, 11, 1, 30, 7, 3, 16, 5, 10, 22]),
+}
+
+
+def packs_of(samples, max_seq_len=64, **kwargs):
+    return list(PackedDataset(samples, max_seq_len=max_seq_len, padding_idx=0, **kwargs))
+
+
+def run_step(model, micro_batches, once):
+    model.set_num_output_chunks(2)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    result = train_step(model, opt, SummedCrossEntropyLoss(2, IGNORE), micro_batches, device=CPU,
+                        backward_once_per_step=once)
+    return result, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("data", sorted(DOCUMENTS))
+@pytest.mark.parametrize("once", [True, False], ids=["once_per_step", "per_micro_batch"])
+@pytest.mark.parametrize("kind", ["full", "lora"])
+def test_packed_step_equals_unpacked_step(data, once, kind):
+    """The same documents in one optimizer step: packed into 64-token rows, or one padded batch."""
+    samples = DOCUMENTS[data]()
+    base = tiny_model() if kind == "full" else tiny_lora_model()
+    packs = packs_of(samples)
+    assert 2 < len(packs) < len(samples)
+    packed_micro_batches = [collate_packed(packs[:2]), collate_packed(packs[2:])]
+    ref, ref_params = run_step(clone(base), [collate(samples)], once)
+    got, params = run_step(clone(base), packed_micro_batches, once)
+    assert got.num_tokens == ref.num_tokens == sum(sum(x != IGNORE for x in s["labels"][1:]) for s in samples)
+    assert abs(got.loss - ref.loss) <= TOL * ref.loss
+    assert abs(got.grad_norm - ref.grad_norm) <= TOL * ref.grad_norm
+    for name in ("token_accuracy", "entropy"):
+        assert abs(got.metrics[name] - ref.metrics[name]) <= TOL * abs(ref.metrics[name]) + 1e-7
+    for key in ref_params:
+        assert rel_diff(params[key], ref_params[key]) <= TOL, key
+
+
+def test_document_split_across_packs_is_counted_once():
+    """split_across_pack: a document cut in two loses the one prediction across the cut, none counted twice."""
+    samples = text_samples([20, 30, 25])
+    packs = packs_of(samples, max_seq_len=32, split_across_pack=True)
+    assert len(packs) == 3
+    per_document = [len(s["tokens"]) - 1 for s in samples]
+    cuts = sum(1 for p in packs if p["input_pos"][0] != 0)  # a pack starting inside a document
+    assert cuts == 2
+    assert sum(packed_count([p]) for p in packs) == sum(per_document) - cuts
+    # every label of every document is predicted at most once over all packs
+    predicted = []
+    for pack in packs:
+        _, labels = prepare_micro_batch(collate_packed([pack]), CPU, IGNORE)
+        predicted += labels[labels != IGNORE].tolist()
+    all_labels = [t for s in samples for t in s["labels"][1:]]
+    for token in set(predicted):
+        assert predicted.count(token) <= all_labels.count(token)
