@@ -97,3 +97,24 @@ def test_document_split_across_packs_is_counted_once():
     all_labels = [t for s in samples for t in s["labels"][1:]]
     for token in set(predicted):
         assert predicted.count(token) <= all_labels.count(token)
+
+
+@pytest.mark.parametrize("arrangement", [{}, {"group_by_length": True}, {"max_tokens_per_micro_batch": 128}],
+                         ids=["default", "grouped", "budget"])
+def test_packs_arranged_by_the_step_loader_equal_unpacked(arrangement):
+    """Packing is one more arrangement of the same step: grouping and token budgets keep the invariant."""
+    from torchtune_ext.data import StepLoader
+
+    samples = DOCUMENTS["instruct"]()
+    base = tiny_model()
+    packs = packs_of(samples)
+    loader = StepLoader(packs, collate_packed, batch_size=len(packs), shuffle=False, ignore_index=IGNORE,
+                        **arrangement)
+    (step,) = loader.epoch(0)
+    if "max_tokens_per_micro_batch" in arrangement:
+        assert len(step.micro_batches) == -(-len(packs) // 2)  # two 64-token packs per 128-token budget
+    ref, _ = run_step(clone(base), [collate(samples)], once=True)
+    got, _ = run_step(clone(base), step.micro_batches, once=True)
+    assert got.num_tokens == ref.num_tokens
+    assert abs(got.loss - ref.loss) <= TOL * ref.loss
+    assert abs(got.grad_norm - ref.grad_norm) <= TOL * ref.grad_norm
