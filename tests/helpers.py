@@ -197,13 +197,15 @@ def constant_loss_sample(token_id, n_trainable):
     return {"tokens": [token_id] * (n_trainable + 1), "labels": [0] * (n_trainable + 1)}
 
 
-def write_tiny_hf_checkpoint(path, seed: int = 0) -> Dict[str, torch.Tensor]:
+def write_tiny_hf_checkpoint(path, seed: int = 0, embedding_std=None) -> Dict[str, torch.Tensor]:
     """Save a random ``torchtune_ext.models.tiny_llama()`` as an HF checkpoint folder.
 
     The folder holds ``model.safetensors`` (HF key names, as
     ``FullModelHFCheckpointer(model_type="LLAMA3_2")`` reads them) and a
     ``config.json`` with the head counts the conversion needs. Its vocabulary
-    is SmolLM2's, so the real tokenizer and data work with it.
+    is SmolLM2's, so the real tokenizer and data work with it. ``embedding_std``:
+    redraw the tied embedding with this std (torchtune's 1.0 starts the loss near
+    60 nats with near-certain predictions; 0.02 starts near ln(vocab) = 10.8).
 
     Returns:
         the model's state dict in torchtune key names (what loading gives back).
@@ -217,7 +219,10 @@ def write_tiny_hf_checkpoint(path, seed: int = 0) -> Dict[str, torch.Tensor]:
     from torchtune_ext.models import tiny_llama
 
     torch.manual_seed(seed)
-    state = tiny_llama().state_dict()  # 4 heads, 2 kv heads, width 64
+    model = tiny_llama()  # 4 heads, 2 kv heads, width 64
+    if embedding_std is not None:
+        torch.nn.init.normal_(model.tok_embeddings.weight, std=embedding_std)
+    state = model.state_dict()
     hf = convert_weights.tune_to_hf(state, num_heads=4, num_kv_heads=2, dim=64, head_dim=16)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
