@@ -246,7 +246,7 @@ def describe(result: EvalResult) -> str:
     m = result.metrics()
     if "loss" not in m:
         return f"no trainable token in {m['num_samples']} samples"
-    return (f"loss {m['loss']:.4f}, perplexity {m['perplexity']:.3f}, token_accuracy "
+    return (f"loss {m['loss']:.4f}, perplexity {m['perplexity']:.4g}, token_accuracy "
             f"{m.get('token_accuracy', float('nan')):.4f} over {m['num_tokens']} tokens of {m['num_samples']} samples "
             f"({m['seconds']:.1f} s)")
 
@@ -313,16 +313,25 @@ def prepare_checkpoint_config(cfg: DictConfig) -> DictConfig:
     return cfg
 
 
-def evaluate_checkpoint(cfg: DictConfig, dataset_key: Optional[str] = None) -> Dict[str, Any]:
-    """Evaluate the weights in ``cfg.checkpointer.checkpoint_dir`` on a dataset of the config.
+@dataclass
+class CheckpointEvaluation:
+    """A checkpoint loaded for evaluation (:func:`load_checkpoint_for_evaluation`)."""
+
+    cfg: DictConfig
+    dataset_key: str
+    model: nn.Module
+    loss_fn: SummedCrossEntropyLoss
+    loader: StepLoader
+    device: torch.device
+
+
+def load_checkpoint_for_evaluation(cfg: DictConfig, dataset_key: Optional[str] = None) -> CheckpointEvaluation:
+    """Check the config and load the weights in ``cfg.checkpointer.checkpoint_dir`` (one process).
 
     Args:
         cfg: a recipe config (YAML plus overrides), not yet validated.
         dataset_key: ``dataset_val`` or ``dataset``; default ``dataset_val`` if
             the config has one, else ``dataset``.
-
-    Returns:
-        ``checkpoint_dir``, ``dataset`` (the key) and :meth:`EvalResult.metrics`.
 
     Raises:
         ConfigError: a bad config value or input file, naming the key.
@@ -343,7 +352,7 @@ def evaluate_checkpoint(cfg: DictConfig, dataset_key: Optional[str] = None) -> D
 
     tokenizer = tt_config.instantiate(cfg.tokenizer)
     loss_fn = build_loss(cfg.loss)
-    loader = build_eval_loader(cfg, tokenizer, key, ignore_index=loss_fn.ignore_index)
+    loader = build_eval_loader(cfg, tokenizer, key, ignore_index=loss_fn.ignore_index)  # data first: fails early
     with tempfile.TemporaryDirectory() as scratch:  # the checkpointer wants an output folder; it writes nothing here
         state = tt_config.instantiate(cfg.checkpointer, output_dir=scratch).load_checkpoint()[training.MODEL_KEY]
     with training.set_default_dtype(dtype), device:
@@ -351,9 +360,25 @@ def evaluate_checkpoint(cfg: DictConfig, dataset_key: Optional[str] = None) -> D
     load_model_state(model, state, str(cfg.checkpointer.checkpoint_dir))
     del state
     model.set_num_output_chunks(loss_fn.num_output_chunks)
-    result = evaluate(model, loss_fn, loader, device=device)
-    log.info(f"{cfg.checkpointer.checkpoint_dir} on {key}: {describe(result)}")
-    return {"checkpoint_dir": str(cfg.checkpointer.checkpoint_dir), "dataset": key, **result.metrics()}
+    return CheckpointEvaluation(cfg, key, model, loss_fn, loader, device)
+
+
+def evaluate_checkpoint(cfg: DictConfig, dataset_key: Optional[str] = None) -> Dict[str, Any]:
+    """Evaluate the weights in ``cfg.checkpointer.checkpoint_dir`` on a dataset of the config.
+
+    Args: as :func:`load_checkpoint_for_evaluation`.
+
+    Returns:
+        ``checkpoint_dir``, ``dataset`` (the key) and :meth:`EvalResult.metrics`.
+
+    Raises:
+        ConfigError: a bad config value or input file, naming the key.
+    """
+    run = load_checkpoint_for_evaluation(cfg, dataset_key)
+    result = evaluate(run.model, run.loss_fn, run.loader, device=run.device)
+    folder = str(run.cfg.checkpointer.checkpoint_dir)
+    log.info(f"{folder} on {run.dataset_key}: {describe(result)}")
+    return {"checkpoint_dir": folder, "dataset": run.dataset_key, **result.metrics()}
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -156,6 +156,8 @@ def log_wandb_loss_charts(records: Iterable[Mapping[str, Any]]) -> None:
     ``loss_vs_tokens_seen``; W&B's own panels show one metric each)."""
     import wandb
 
+    if wandb.run is None:
+        return
     records = list(records)
     charts = {}
     for x in ("step", "tokens_seen"):
