@@ -34,17 +34,20 @@ A checkpoint folder can be evaluated on its own, with the same numbers::
 """
 
 import argparse
+import contextlib
 import importlib
 import json
 import logging
 import math
+import random
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
@@ -53,7 +56,7 @@ from torch.utils.data import Dataset, Subset
 from torchtune import utils
 
 from torchtune_ext.accounting import TokenTally, TokenTotals, count_trainable_tokens
-from torchtune_ext.checkpoint import ADAPTER_WEIGHTS, MANIFEST, Progress, rng_state, set_rng_state
+from torchtune_ext.checkpoint import ADAPTER_WEIGHTS, MANIFEST, Progress
 from torchtune_ext.config import ConfigError, validation_enabled
 from torchtune_ext.data import StepLoader, build_dataset, make_collate
 from torchtune_ext.loss import SummedCrossEntropyLoss, shift_labels
@@ -114,10 +117,9 @@ def evaluate(model: nn.Module, loss_fn: SummedCrossEntropyLoss, loader: StepLoad
     start = time.perf_counter()
     tally = TokenTally(loss_fn.metric_names, device, loss_fn.ignore_index)
     modes = [(module, module.training) for module in model.modules()]
-    rng = rng_state()
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _random_state_unchanged(device):
             for step_data in loader.epoch(0):
                 for micro_batch in step_data.micro_batches:
                     inputs, labels = prepare_micro_batch(micro_batch, device, loss_fn.ignore_index)
@@ -127,8 +129,20 @@ def evaluate(model: nn.Module, loss_fn: SummedCrossEntropyLoss, loader: StepLoad
     finally:
         for module, training in modes:
             module.training = training
-        set_rng_state(rng)
     return EvalResult(tally.totals(dp_group), len(loader), time.perf_counter() - start)
+
+
+@contextlib.contextmanager
+def _random_state_unchanged(device: torch.device) -> Iterator[None]:
+    """Restore the Python, NumPy, torch CPU and (this rank's) accelerator RNG states on exit."""
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    accelerators = [device] if device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=accelerators, device_type=device.type if accelerators else None):
+            yield
+    finally:
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
 
 
 def has_trainable_token(dataset: Dataset, collate_fn, ignore_index: int) -> bool:
