@@ -160,7 +160,7 @@ def test_empty_dataset_val_stops_the_recipe_before_training(smollm2_assets, tmp_
 
 
 @pytest.mark.parametrize("name", ["full", "lora"])
-def test_command_evaluates_a_step_folder_with_the_logged_numbers(name, smollm2_assets, tmp_path):
+def test_command_evaluates_a_step_folder_with_the_logged_numbers(name, smollm2_assets, tmp_path, capsys):
     """``python -m torchtune_ext.evaluate`` on step_4 (LoRA: the merged model) equals the val_loss logged at
     step 4; on the base checkpoint it equals the step-0 validation."""
     out = tmp_path / "run"
@@ -190,11 +190,9 @@ def test_command_evaluates_a_step_folder_with_the_logged_numbers(name, smollm2_a
         printed = json.loads(proc.stdout.strip().splitlines()[-1])
         assert printed == json.loads(json_file.read_text())
         assert printed["loss"] == pytest.approx(val[-1]["val_loss"], rel=1e-6)
-        proc = subprocess.run(
-            [sys.executable, "-m", "torchtune_ext.evaluate", "--config", str(config_file),
-             f"checkpointer.checkpoint_dir={tmp_path / 'missing'}"],
-            cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=ENV)
-        assert proc.returncode == 2 and "checkpointer.checkpoint_dir" in proc.stderr and "Traceback" not in proc.stderr
+        code = evaluate_module.main(["--config", str(config_file), f"checkpointer.checkpoint_dir={tmp_path / 'gone'}"])
+        (line,) = [l for l in capsys.readouterr().err.splitlines() if l.startswith("error:")]
+        assert code == 2 and line.startswith("error: config key 'checkpointer.checkpoint_dir'") and "gone" in line
 
 
 def test_command_refuses_an_adapter_only_folder(smollm2_assets, tmp_path):
