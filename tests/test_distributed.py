@@ -3,6 +3,8 @@
 One launch per world size runs every case (tests/dist_worker.py); the tests
 compare what rank 0 saved. Global batch 4 samples per optimizer step
 everywhere, SGD with clipping active, 3 steps; full fine-tuning and LoRA.
+The ``eval_*`` cases run one validation pass (torchtune_ext.evaluate) over 13
+samples at several batch sizes, packings and world sizes.
 """
 
 import json
