@@ -30,6 +30,7 @@ from torchtune_ext.checkpoint import (
     nonfinite_error,
 )
 from torchtune_ext.data import build_step_loader
+from torchtune_ext.evaluate import Validator, build_val_loader
 from torchtune_ext.loss import build_loss
 from torchtune_ext.metrics import StepReporter, build_metric_logger
 from torchtune_ext.step import NonFiniteError, build_lr_scheduler, train_step
@@ -66,6 +67,8 @@ class FullFinetuneRecipeDistributed:
         self._data = build_step_loader(cfg, self._tokenizer, seed=self.progress.seed,
                                        ignore_index=self._loss_fn.ignore_index, dp_rank=self._rank,
                                        dp_world_size=self._world_size)
+        self._val_data = build_val_loader(cfg, self._tokenizer, ignore_index=self._loss_fn.ignore_index,
+                                          dp_rank=self._rank, dp_world_size=self._world_size)
         self._steps_per_epoch = self._data.steps_per_epoch
 
         self._checkpoints = CheckpointManager(cfg.checkpointer, cfg.output_dir, cfg.keep_last_n_checkpoints)
@@ -84,6 +87,7 @@ class FullFinetuneRecipeDistributed:
 
         self._metric_logger = build_metric_logger(cfg, rank=self._rank, resume=bool(resumed))
         self._metric_logger.log_config(cfg)
+        self._validator = Validator(cfg, self._val_data, self._model, self._loss_fn, self._metric_logger, self._device)
         if resumed:
             distributed.set_rank_rng_state(resumed)  # last: building the model consumed random numbers
 
@@ -111,6 +115,7 @@ class FullFinetuneRecipeDistributed:
         reporter = StepReporter(self._metric_logger, self._device, total_steps=cfg.epochs * self._steps_per_epoch,
                                 initial_step=progress.step, log_every_n_steps=cfg.log_every_n_steps,
                                 dp_world_size=self._world_size, rank=self._rank)
+        self._validator.at_start(progress)
         while progress.epoch < cfg.epochs:
             for step_data in self._data.epoch(progress.epoch, progress.samples_in_epoch, progress.steps_in_epoch):
                 reporter.start_step()
@@ -125,9 +130,11 @@ class FullFinetuneRecipeDistributed:
                     raise nonfinite_error(err, cfg.output_dir) from err
                 if self._lr_scheduler is not None:
                     self._lr_scheduler.step()
-                progress.complete_step(skipped=result.skipped is not None, end_sample=step_data.end_sample)
+                progress.complete_step(skipped=result.skipped is not None, end_sample=step_data.end_sample,
+                                       num_tokens=result.num_tokens)
                 reporter.end_step(result, step=progress.step, epoch=progress.epoch, lr=lr,
-                                  skipped_steps=progress.skipped_steps)
+                                  skipped_steps=progress.skipped_steps, tokens_seen=progress.tokens_seen)
+                self._validator.after_step(progress, end_of_epoch=step_data.last_in_epoch)
                 if cfg.save_every_n_steps and progress.step % cfg.save_every_n_steps == 0:
                     self.save_checkpoint()
             progress.complete_epoch()

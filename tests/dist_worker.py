@@ -17,11 +17,18 @@ A case is a dict with ``name``, ``batch_size``, ``grad_accum``, ``once``
 optionally ``clip`` (max grad norm), ``max_steps``, ``cpu_offload``,
 ``grouped`` (group_by_length), ``budget`` (max_tokens_per_micro_batch) and
 ``packed`` (the same samples packed into 64-token rows).
+
+An evaluation case (``kind: "eval"``) instead runs one validation pass
+(:func:`torchtune_ext.evaluate.evaluate`) over ``helpers.synthetic_val_dataset``
+with ``batch_size`` samples per micro-batch per rank (and optionally
+``packed``, ``grouped``, ``budget``, ``chunks``: output chunks of the model),
+on the same initial weights, and saves what it measured.
 """
 
 import json
 import sys
 from types import SimpleNamespace
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -31,11 +38,13 @@ from torchtune.modules.peft import get_adapter_params, set_trainable_params
 from helpers import IGNORE, VOCAB
 from torchtune_ext import distributed
 from torchtune_ext.data import StepLoader, build_dataset, make_collate
+from torchtune_ext.evaluate import build_eval_loader, evaluate
 from torchtune_ext.loss import SummedCrossEntropyLoss
 from torchtune_ext.models import lora_tiny_llama, tiny_llama
 from torchtune_ext.step import train_step
 
 CPU = torch.device("cpu")
+EVAL_EMBEDDING_STD = 0.3
 ARCH = dict(vocab_size=VOCAB, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=32,
             intermediate_dim=64, max_seq_len=128)
 
@@ -47,14 +56,21 @@ def build(kind: str) -> torch.nn.Module:
                            lora_rank=4, lora_alpha=8, **ARCH)
 
 
-def initial_state(kind: str) -> dict:
-    """Deterministic full weights; LoRA B is made nonzero so adapters matter from step 1."""
+def initial_state(kind: str, embedding_std: Optional[float] = None) -> dict:
+    """Deterministic full weights; LoRA B is made nonzero so adapters matter from step 1.
+
+    ``embedding_std``: redraw the (tied) embedding with this std. torchtune's std 1
+    makes every prediction near certain (entropy ~0); 0.3 gives a few nats.
+    """
     torch.manual_seed(0)
     state = build(kind).state_dict()
     g = torch.Generator().manual_seed(1)
     for key in state:
         if "lora_b" in key:
             state[key] = torch.randn(state[key].shape, generator=g) * 0.1
+    if embedding_std is not None:
+        weight = state["tok_embeddings.weight"]
+        state["tok_embeddings.weight"] = torch.randn(weight.shape, generator=g) * embedding_std
     return state
 
 
@@ -99,15 +115,39 @@ def run_case(case: dict, rank: int, world_size: int) -> dict:
             "world_size": world_size, "offload_policy": policy}
 
 
+def run_eval_case(case: dict, rank: int, world_size: int) -> dict:
+    with torch.device("meta"):
+        model = build(case["model"])
+    distributed.shard_model(model, CPU)
+    distributed.load_full_model_state_dict(model, initial_state(case["model"], EVAL_EMBEDDING_STD), CPU)
+    chunks = case.get("chunks", 1)
+    model.set_num_output_chunks(chunks)
+    cfg = OmegaConf.create({
+        "dataset_val": {"_component_": "helpers.synthetic_val_dataset", "packed": case.get("packed", False)},
+        "batch_size_val": case["batch_size"], "max_val_samples": None, "group_by_length": case.get("grouped", False),
+        "max_tokens_per_micro_batch": case.get("budget"),
+    })
+    loader = build_eval_loader(cfg, SimpleNamespace(pad_id=0), "dataset_val", ignore_index=IGNORE, dp_rank=rank,
+                               dp_world_size=world_size)
+    model.layers[0].eval()  # modules in eval mode before must stay so, the others return to train mode
+    modes = [m.training for m in model.modules()]
+    result = evaluate(model, SummedCrossEntropyLoss(num_output_chunks=chunks, ignore_index=IGNORE), loader, device=CPU)
+    return {"eval": result.metrics(), "local_num_tokens": result.totals.local_num_tokens, "steps": [],
+            "modes_restored": [m.training for m in model.modules()] == modes and any(modes) and not all(modes),
+            "grads_after": sum(p.grad is not None for p in model.parameters()), "world_size": world_size}
+
+
 def main(out_path: str, cases_json: str) -> None:
     rank, world_size = distributed.init_process_group(CPU)
-    results = {case["name"]: run_case(case, rank, world_size) for case in json.loads(cases_json)}
-    # every rank reports its own view of the step losses: they must agree
+    results = {case["name"]: (run_eval_case if case.get("kind") == "eval" else run_case)(case, rank, world_size)
+               for case in json.loads(cases_json)}
+    # every rank reports its own view of the step losses and evaluation results: they must agree
     views = [None] * world_size
-    dist.all_gather_object(views, {n: [s["loss"] for s in r["steps"]] for n, r in results.items()})
+    dist.all_gather_object(views, {n: ([s["loss"] for s in r["steps"]], r.get("eval")) for n, r in results.items()})
     if rank == 0:
         for name in results:
-            results[name]["losses_by_rank"] = [v[name] for v in views]
+            results[name]["losses_by_rank"] = [v[name][0] for v in views]
+            results[name]["evals_by_rank"] = [v[name][1] for v in views]
         torch.save(results, out_path)
     dist.destroy_process_group()
 

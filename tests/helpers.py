@@ -12,13 +12,21 @@ IGNORE = -100
 VOCAB = 128
 
 
-def tiny_model(seed: int = 0, vocab_size: int = VOCAB) -> torch.nn.Module:
-    """A 2-layer random llama3_2 decoder (fp32, CPU) for exactness tests."""
+def tiny_model(seed: int = 0, vocab_size: int = VOCAB, embedding_std=None) -> torch.nn.Module:
+    """A 2-layer random llama3_2 decoder (fp32, CPU) for exactness tests.
+
+    ``embedding_std``: redraw the tied embedding with this std; torchtune's 1.0
+    makes nearly every prediction certain (entropy ~0), 0.3 leaves a few nats.
+    """
     torch.manual_seed(seed)
-    return llama3_2(
+    model = llama3_2(
         vocab_size=vocab_size, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=32,
         max_seq_len=128, intermediate_dim=64, rope_base=10_000, scale_factor=1,
     )
+    if embedding_std is not None:
+        with torch.no_grad():
+            model.tok_embeddings.weight.normal_(std=embedding_std)
+    return model
 
 
 def tiny_lora_model(seed: int = 0, vocab_size: int = VOCAB, lora_b_std: float = 0.03) -> torch.nn.Module:
@@ -140,13 +148,64 @@ def synthetic_sft_dataset(tokenizer=None, num_samples: int = 12, seed: int = 3, 
     return samples
 
 
-def write_tiny_hf_checkpoint(path, seed: int = 0) -> Dict[str, torch.Tensor]:
+def synthetic_val_dataset(tokenizer=None, num_samples: int = 10, seed: int = 4, packed: bool = False,
+                          max_seq_len: int = 64, all_masked: bool = False):
+    """Validation data for the exactness tests: :func:`synthetic_sft_dataset`'s instruct
+    samples (masked prompts, lengths 1 to 30, so batches are padded), a sample whose
+    labels are all masked, a one-token sample (nothing to predict after the shift) and
+    a run of one repeated token (predictable, so token accuracy is not near 0): 13
+    samples, so batches of 3 or 8 leave a partial last batch.
+
+    Usable as a config ``_component_`` (``helpers.synthetic_val_dataset``). With
+    ``packed``, the samples in order are packed into rows of ``max_seq_len`` tokens;
+    with ``all_masked``, every label of every sample is masked.
+    """
+    samples = synthetic_sft_dataset(num_samples=num_samples, seed=seed)
+    samples.insert(3, {"tokens": [5, 6, 7, 8], "labels": [IGNORE] * 4})
+    samples.insert(7, {"tokens": [9], "labels": [9]})
+    samples.insert(10, {"tokens": [40, 41, 42] + [17] * 10, "labels": [IGNORE] * 3 + [17] * 10})
+    if all_masked:
+        samples = [{"tokens": s["tokens"], "labels": [IGNORE] * len(s["labels"])} for s in samples]
+    if packed:
+        from torchtune.datasets import PackedDataset
+
+        return PackedDataset(samples, max_seq_len=max_seq_len, padding_idx=0)
+    return samples
+
+
+class ConstantLossModel(torch.nn.Module):
+    """Each token id yields logits whose CE against label 0 is a chosen constant.
+
+    With a vocabulary of two, CE(label 0) = log(1 + exp(-z)) where z is the
+    logit gap; solving gives z = -log(exp(c) - 1). The prediction is label 0
+    (argmax correct) exactly when c < log 2.
+    """
+
+    def __init__(self, per_token_loss):
+        super().__init__()
+        import math
+
+        rows = [[-math.log(math.expm1(c)), 0.0] for c in per_token_loss]
+        self.table = torch.nn.Parameter(torch.tensor(rows, dtype=torch.float64))
+
+    def forward(self, tokens, **_):
+        return self.table[tokens].float()
+
+
+def constant_loss_sample(token_id, n_trainable):
+    """A sample of ``token_id`` with ``n_trainable`` next-token predictions, all of label 0."""
+    return {"tokens": [token_id] * (n_trainable + 1), "labels": [0] * (n_trainable + 1)}
+
+
+def write_tiny_hf_checkpoint(path, seed: int = 0, embedding_std=None) -> Dict[str, torch.Tensor]:
     """Save a random ``torchtune_ext.models.tiny_llama()`` as an HF checkpoint folder.
 
     The folder holds ``model.safetensors`` (HF key names, as
     ``FullModelHFCheckpointer(model_type="LLAMA3_2")`` reads them) and a
     ``config.json`` with the head counts the conversion needs. Its vocabulary
-    is SmolLM2's, so the real tokenizer and data work with it.
+    is SmolLM2's, so the real tokenizer and data work with it. ``embedding_std``:
+    redraw the tied embedding with this std (torchtune's 1.0 starts the loss near
+    60 nats with near-certain predictions; 0.02 starts near ln(vocab) = 10.8).
 
     Returns:
         the model's state dict in torchtune key names (what loading gives back).
@@ -160,7 +219,10 @@ def write_tiny_hf_checkpoint(path, seed: int = 0) -> Dict[str, torch.Tensor]:
     from torchtune_ext.models import tiny_llama
 
     torch.manual_seed(seed)
-    state = tiny_llama().state_dict()  # 4 heads, 2 kv heads, width 64
+    model = tiny_llama()  # 4 heads, 2 kv heads, width 64
+    if embedding_std is not None:
+        torch.nn.init.normal_(model.tok_embeddings.weight, std=embedding_std)
+    state = model.state_dict()
     hf = convert_weights.tune_to_hf(state, num_heads=4, num_kv_heads=2, dim=64, head_dim=16)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

@@ -84,3 +84,13 @@ def test_verify_detects_missing_and_resized_files(manager):
 def test_folders_without_manifest_are_not_checkpoints(manager):
     (manager.output_dir / "step_9").mkdir()
     assert latest_checkpoint(str(manager.output_dir)) is None
+
+
+def test_tokens_seen_counts_the_steps_that_updated_the_model():
+    progress = Progress()
+    progress.complete_step(skipped=False, end_sample=4, num_tokens=100)
+    progress.complete_step(skipped=True, end_sample=8, num_tokens=50)  # non-finite: no update
+    progress.complete_step(skipped=False, end_sample=12, num_tokens=30)
+    assert progress.tokens_seen == 130 and progress.step == 3 and progress.skipped_steps == 1
+    # checkpoints written before tokens_seen existed still load
+    assert Progress(**{"step": 2, "epoch": 0, "steps_in_epoch": 2, "samples_in_epoch": 8}).tokens_seen == 0

@@ -104,3 +104,59 @@ def test_null_component_means_off(cfg):
     cfg.model = {"_component_": None}
     with pytest.raises(ConfigError, match="'model'"):
         validate(cfg)
+
+
+# Validation keys (torchtune_ext.evaluate)
+
+def test_validation_is_off_by_default_and_batch_size_val_follows_batch_size(cfg):
+    cfg.batch_size = 6
+    out = validate(cfg)
+    assert out.dataset_val is None and out.run_val_every_n_steps is None and out.run_val_at_start is False
+    assert out.batch_size_val == 6 and out.max_val_samples is None
+
+
+@pytest.mark.parametrize("value", [0, -2, 1.5, "2", True])
+def test_run_val_every_n_steps_must_be_a_positive_integer(cfg, value):
+    cfg.dataset_val = dict(cfg.dataset)
+    cfg.run_val_every_n_steps = value
+    with pytest.raises(ConfigError, match="'run_val_every_n_steps'.*positive integer.*or null for no validation"):
+        validate(cfg)
+
+
+@pytest.mark.parametrize("key,value", [("run_val_every_n_steps", 5), ("run_val_at_start", True)])
+def test_validation_needs_dataset_val(cfg, key, value):
+    cfg[key] = value
+    with pytest.raises(ConfigError, match=f"'dataset_val'.*required by {key}"):
+        validate(cfg)
+
+
+def test_missing_dataset_val_file_is_checked_when_validation_is_on(cfg, caplog):
+    cfg.dataset_val = [dict(cfg.dataset), {**cfg.dataset, "data_files": "/nonexistent/val.json"}]
+    with caplog.at_level(logging.INFO):
+        validate(cfg)  # torchtune's convention: dataset_val alone does not turn validation on
+    assert "no validation during training" in caplog.text
+    cfg.run_val_every_n_steps = 10
+    with pytest.raises(ConfigError, match=r"'dataset_val\[1\].data_files'.*/nonexistent/val.json"):
+        validate(cfg)
+    cfg.dataset_val = {"source": "json"}
+    with pytest.raises(ConfigError, match="'dataset_val'.*_component_"):
+        validate(cfg)
+
+
+@pytest.mark.parametrize("other,ours", [("val_batch_size", "batch_size_val"), ("max_validation_steps", "max_val_samples"),
+                                        ("val_dataset", "dataset_val")])
+def test_other_tools_names_point_to_ours(cfg, caplog, other, ours):
+    cfg[other] = 4
+    with caplog.at_level(logging.WARNING):
+        validate(cfg)
+    assert f"Did you mean '{ours}'" in caplog.text
+
+
+def test_config_for_evaluation_needs_no_training_keys(cfg, tmp_path):
+    del cfg["optimizer"]
+    cfg.output_dir = str(tmp_path / "file")
+    (tmp_path / "file").write_text("")  # not a usable output_dir, and not needed to evaluate
+    out = validate(cfg, evaluate_on="dataset")
+    assert out.batch_size_val == out.batch_size
+    with pytest.raises(ConfigError, match="'dataset_val'.*required to evaluate"):
+        validate(cfg, evaluate_on="dataset_val")

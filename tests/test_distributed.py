@@ -3,6 +3,8 @@
 One launch per world size runs every case (tests/dist_worker.py); the tests
 compare what rank 0 saved. Global batch 4 samples per optimizer step
 everywhere, SGD with clipping active, 3 steps; full fine-tuning and LoRA.
+The ``eval_*`` cases run one validation pass (torchtune_ext.evaluate) over 13
+samples at several batch sizes, packings and world sizes.
 """
 
 import json
@@ -48,6 +50,23 @@ CASES += [case(w, b, ga, once, model="lora") for w, b, ga in SPLITS for once in 
 PACKED_CASES = [case(1, 12, 1, True), case(2, 4, 1, True, packed=True), case(2, 2, 2, False, packed=True),
                 case(1, 8, 1, False, packed=True), case(2, 4, 1, False, model="lora", packed=True),
                 case(1, 12, 1, True, model="lora")]
+
+
+def eval_case(world_size, batch_size, model="full", **extra):
+    name = f"eval_{model}_w{world_size}_b{batch_size}"
+    for key, value in extra.items():
+        name += f"_{key}" if value is True else f"_{key}{value}"
+    return dict(name=name, kind="eval", world_size=world_size, batch_size=batch_size, model=model, **extra)
+
+
+# One validation pass over 13 samples (padding, masked prompts, an all-masked sample, a
+# one-token sample): batch 1, 3 and 8 per rank on 1 and 2 ranks (partial last batches,
+# stand-ins on 2 ranks), chunked logits, grouping, a token budget, packed; full and LoRA.
+EVAL_CASES = [eval_case(w, b) for w in (1, 2) for b in (1, 3, 8)]
+EVAL_CASES += [eval_case(2, 3, chunks=4), eval_case(2, 3, grouped=True), eval_case(2, 8, budget=64),
+               eval_case(1, 2, packed=True), eval_case(2, 1, packed=True),
+               eval_case(1, 1, model="lora"), eval_case(2, 3, model="lora"), eval_case(1, 8, model="lora")]
+EVAL_TOL = 1e-6
 REFERENCE = {("full", 12): "full_n12_w1_b4_ga1_once", ("full", 11): "full_n11_w1_b4_ga1_once",
              ("full", 7): "full_n7_w1_b4_ga2_once", ("lora", 12): "lora_n12_w1_b4_ga1_once"}
 
@@ -73,7 +92,7 @@ def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dist")
     out = {}
     for world_size in (1, 2):
-        cases = [c for c in CASES + PACKED_CASES if c["world_size"] == world_size]
+        cases = [c for c in CASES + PACKED_CASES + EVAL_CASES if c["world_size"] == world_size]
         out.update(launch(world_size, cases, tmp / f"w{world_size}.pt"))
     return out
 
@@ -152,3 +171,60 @@ def test_packed_equals_unpacked(results, name):
     (spec,) = [c for c in PACKED_CASES if c["name"] == name]
     assert len(results[name]["steps"]) == 1
     assert_same_run(results[name], results[f"{spec['model']}_n12_w1_b12_ga1_once"], name)
+
+
+def reference_validation(model_kind):
+    """Independent reference: each sample alone (no padding, no batch), fp64 sums of the
+    per-token cross-entropy, argmax hits and entropy over its trainable next-token positions."""
+    import torch
+    import torch.nn.functional as F
+
+    from dist_worker import EVAL_EMBEDDING_STD, build, initial_state
+    from helpers import IGNORE, synthetic_val_dataset
+
+    model = build(model_kind)
+    model.load_state_dict(initial_state(model_kind, EVAL_EMBEDDING_STD))
+    model.eval()
+    loss = correct = entropy = 0.0
+    count = 0
+    with torch.no_grad():
+        for s in synthetic_val_dataset():
+            labels = torch.tensor(s["labels"][1:])
+            keep = labels != IGNORE
+            if not keep.any():
+                continue
+            logits = model(torch.tensor([s["tokens"]]))[0, :-1][keep].double()
+            log_probs = torch.log_softmax(logits, -1)
+            loss += F.nll_loss(log_probs, labels[keep], reduction="sum").item()
+            correct += (logits.argmax(-1) == labels[keep]).sum().item()
+            entropy += -(log_probs.exp() * log_probs).sum().item()
+            count += int(keep.sum())
+    return {"loss": loss / count, "token_accuracy": correct / count, "entropy": entropy / count, "num_tokens": count}
+
+
+@pytest.mark.parametrize("name", [c["name"] for c in EVAL_CASES])
+def test_validation_does_not_depend_on_batching_or_ranks(results, name):
+    """Validation loss, token accuracy and entropy: the same for batch 1, 3, 8, 1 or 2 ranks, packed or not."""
+    (spec,) = [c for c in EVAL_CASES if c["name"] == name]
+    got, ref = results[name]["eval"], results[f"eval_{spec['model']}_w1_b1"]["eval"]
+    assert got["num_tokens"] == ref["num_tokens"] > 0
+    assert got["num_samples"] == (3 if spec.get("packed") else 13)  # packed: 13 samples in 3 rows of 64 tokens
+    for key in ("loss", "token_accuracy", "entropy", "perplexity"):
+        assert abs(got[key] - ref[key]) <= EVAL_TOL * abs(ref[key]), (name, key, got[key], ref[key])
+    # every rank took part and holds the same result; nothing of training's state changed
+    r = results[name]
+    no_time = [{k: v for k, v in e.items() if k != "seconds"} for e in r["evals_by_rank"]]
+    assert all(e == no_time[0] for e in no_time)
+    assert r["modes_restored"] and r["grads_after"] == 0
+    if spec["world_size"] == 2:
+        assert 0 < r["local_num_tokens"] < got["num_tokens"]
+
+
+@pytest.mark.parametrize("model_kind", ["full", "lora"])
+def test_validation_equals_independent_reference(results, model_kind):
+    ref = reference_validation(model_kind)
+    got = results[f"eval_{model_kind}_w2_b3" if model_kind == "lora" else "eval_full_w2_b8"]["eval"]
+    assert got["num_tokens"] == ref["num_tokens"]
+    for key in ("loss", "token_accuracy", "entropy"):
+        assert abs(got[key] - ref[key]) <= EVAL_TOL * abs(ref[key]), (key, got[key], ref[key])
+    assert 0 < ref["token_accuracy"] < 1 and ref["entropy"] > 0.5  # informative values, not 0 or saturated

@@ -6,7 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import IGNORE, clone, collate, instruct_samples, rel_diff, text_samples, tiny_model, windows
+from helpers import (
+    IGNORE, ConstantLossModel, clone, collate, constant_loss_sample, instruct_samples, rel_diff, text_samples,
+    tiny_model, windows,
+)
 from torchtune_ext.loss import SummedCrossEntropyLoss
 from torchtune_ext.step import NonFiniteError, forward_backward, grad_norm_and_clip, train_step
 
@@ -109,33 +112,12 @@ def test_count_is_after_shift():
     assert forward_backward(model, loss_fn, micro, device=CPU).num_tokens == 5  # 0 from the first row, 6 - 1 from the second
 
 
-class ConstantLossModel(torch.nn.Module):
-    """Each token id yields logits whose CE against label 0 is a chosen constant.
-
-    With a vocabulary of two, CE(label 0) = log(1 + exp(-z)) where z is the
-    logit gap; solving gives z = -log(exp(c) - 1).
-    """
-
-    def __init__(self, per_token_loss):
-        super().__init__()
-        rows = [[-math.log(math.expm1(c)), 0.0] for c in per_token_loss]
-        self.table = torch.nn.Parameter(torch.tensor(rows, dtype=torch.float64))
-
-    def forward(self, tokens, **_):
-        return self.table[tokens].float()
-
-
-def sample(token_id, n_trainable):
-    # n_trainable predictions need n_trainable + 1 positions; label 0 everywhere
-    return {"tokens": [token_id] * (n_trainable + 1), "labels": [0] * (n_trainable + 1)}
-
-
 @pytest.mark.parametrize("batch_size,grad_accum", [(2, 1), (1, 2)])
 @pytest.mark.parametrize("once", [True, False])
 def test_worked_example(batch_size, grad_accum, once):
     """10 tokens at 0.1 and 100 tokens at 0.9 give (0.1*10 + 0.9*100)/110 = 0.82727."""
     model = ConstantLossModel([0.1, 0.9])
-    samples = [sample(0, 10), sample(1, 100)]
+    samples = [constant_loss_sample(0, 10), constant_loss_sample(1, 100)]
     (w,) = windows(samples, batch_size, grad_accum)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     result = train_step(model, opt, SummedCrossEntropyLoss(1, IGNORE), w, device=CPU, backward_once_per_step=once)

@@ -47,12 +47,15 @@ def read_offline_run(wandb_dir: str) -> Dict[str, object]:
     """History rows and config of the single offline run under ``wandb_dir``.
 
     Returns:
-        {"history": [dict per logged row], "config": {key: value}}
+        {"history": [dict per logged row], "config": {key: value},
+         "metrics": {name or glob: {"step_metric": str, "summary": [str]}} (``define_metric``),
+         "run_dir": the offline run's folder}
     """
     files = glob.glob(os.path.join(wandb_dir, "**", "offline-run-*", "run-*.wandb"), recursive=True)
     assert len(files) == 1, f"expected one offline run under {wandb_dir}, found {files}"
     history: List[dict] = []
     config: Dict[str, object] = {}
+    metrics: Dict[str, dict] = {}
     with open(files[0], "rb") as f:
         data = f.read()
     for raw in _records(data):
@@ -67,4 +70,9 @@ def read_offline_run(wandb_dir: str) -> Dict[str, object]:
         elif kind == "config":
             for item in record.config.update:
                 config[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
-    return {"history": history, "config": config}
+        elif kind == "metric":
+            m = record.metric
+            summary = [f.name for f, on in m.summary.ListFields() if on]
+            metrics[m.name or m.glob_name] = {"step_metric": m.step_metric, "summary": summary}
+    return {"history": history, "config": config, "metrics": metrics,
+            "run_dir": os.path.dirname(files[0])}

@@ -62,6 +62,8 @@ class Progress:
             accumulation and world size.
         skipped_steps (int): optimizer steps skipped so far (empty/non-finite).
         seed (int): the run's seed (sampler order depends on it).
+        tokens_seen (int): trainable tokens (after the label shift, all ranks)
+            of the optimizer steps that updated the model so far.
     """
 
     step: int = 0
@@ -70,14 +72,18 @@ class Progress:
     samples_in_epoch: int = 0
     skipped_steps: int = 0
     seed: int = 0
+    tokens_seen: int = 0
 
-    def complete_step(self, skipped: bool, end_sample: int) -> None:
+    def complete_step(self, skipped: bool, end_sample: int, num_tokens: int = 0) -> None:
         """Count a finished optimizer step (``skipped``: it did not update) that
-        ended at sample ``end_sample`` of the epoch's order."""
+        ended at sample ``end_sample`` of the epoch's order and trained on
+        ``num_tokens`` trainable tokens."""
         self.step += 1
         self.steps_in_epoch += 1
         self.samples_in_epoch = end_sample
         self.skipped_steps += bool(skipped)
+        if not skipped:
+            self.tokens_seen += num_tokens
 
     def complete_epoch(self) -> None:
         self.epoch += 1

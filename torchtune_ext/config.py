@@ -126,6 +126,17 @@ def _dataset(key: str, value: Any) -> None:
         _component(key, value)
 
 
+def _val_every_n_steps(key: str, value: Any) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ConfigError(key, f"expected a positive integer (validate every N optimizer steps), or null for "
+                          f"no validation, got {value!r}")
+
+
+def _optional_dataset(key: str, value: Any) -> None:
+    if value is not None:
+        _dataset(key, value)
+
+
 # Keys every recipe understands, with their defaults. Recipe-specific keys are
 # passed to ``validate`` as ``extra_keys``.
 COMMON_KEYS: Dict[str, Key] = {
@@ -152,6 +163,15 @@ COMMON_KEYS: Dict[str, Key] = {
     # the set of samples per optimizer step, and so the loss, does not depend on it.
     "group_by_length": Key(True, _boolean),
     "max_tokens_per_micro_batch": Key(None, _optional_positive_int),
+    # Validation (torchtune_ext.evaluate), torchtune's keys: on when run_val_every_n_steps
+    # (or run_val_at_start) asks for it; then also once at the end of training. The
+    # validation loss does not depend on batch_size_val or on the number of ranks.
+    "dataset_val": Key(None, _optional_dataset),
+    "run_val_every_n_steps": Key(None, _val_every_n_steps),
+    "run_val_at_start": Key(False, _boolean),
+    "batch_size_val": Key(None, _optional_positive_int),  # null: batch_size
+    # the first N samples of dataset_val, in file order, whatever the batching
+    "max_val_samples": Key(None, _optional_positive_int),
     "clip_grad_norm": Key(None, _optional_positive_float),
     "dtype": Key("fp32", _one_of("fp32", "bf16")),
     "device": Key("auto", _one_of("auto", "cpu", "cuda")),
@@ -219,8 +239,18 @@ LORA_KEYS: Dict[str, Key] = {
 }
 
 
+# Names other tools use for our keys, which spelling similarity would not find.
+_OTHER_NAMES = {"val_batch_size": "batch_size_val", "eval_batch_size": "batch_size_val",
+                "val_dataset": "dataset_val", "eval_dataset": "dataset_val",
+                "max_validation_steps": "max_val_samples", "max_val_batches": "max_val_samples",
+                "max_eval_samples": "max_val_samples", "eval_steps": "run_val_every_n_steps"}
+
+
 def _closest(key: str, known: Iterable[str]) -> str:
-    match = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
+    known = list(known)
+    if _OTHER_NAMES.get(key) in known:
+        return f" Did you mean '{_OTHER_NAMES[key]}'?"
+    match = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
     return f" Did you mean '{match[0]}'?" if match else ""
 
 
@@ -240,8 +270,18 @@ def _missing_input(key: str, path: str) -> ConfigError:
     return ConfigError(key, f"'{path}' does not exist.{hint}")
 
 
-def check_input_files(cfg: DictConfig) -> None:
+def validation_enabled(cfg: DictConfig) -> bool:
+    """Whether a recipe validates during training: ``run_val_every_n_steps`` or
+    ``run_val_at_start`` asks for it (torchtune's convention: a ``dataset_val``
+    alone, as in torchtune's shipped configs, does not turn validation on)."""
+    return bool(cfg.get("run_val_every_n_steps") or cfg.get("run_val_at_start"))
+
+
+def check_input_files(cfg: DictConfig, dataset_keys: Optional[Tuple[str, ...]] = None) -> None:
     """Check that the checkpoint, tokenizer and local dataset files exist.
+
+    ``dataset_keys``: the datasets to check; default ``dataset``, and
+    ``dataset_val`` when validation is on.
 
     Raises:
         ConfigError: naming the key and the missing path, and the download
@@ -260,12 +300,15 @@ def check_input_files(cfg: DictConfig) -> None:
     for key in ("path", "tokenizer_json_path"):
         if cfg.tokenizer.get(key) is not None and not os.path.exists(cfg.tokenizer[key]):
             raise _missing_input(f"tokenizer.{key}", str(cfg.tokenizer[key]))
-    datasets = cfg.dataset if isinstance(cfg.dataset, (list, ListConfig)) else [cfg.dataset]
-    for i, ds in enumerate(datasets):
-        prefix = "dataset" if len(datasets) == 1 else f"dataset[{i}]"
-        for path in _paths(ds.get("data_files")):
-            if "://" not in path and not os.path.exists(path):
-                raise _missing_input(f"{prefix}.data_files", path)
+    if dataset_keys is None:
+        dataset_keys = ("dataset", "dataset_val") if validation_enabled(cfg) else ("dataset",)
+    for key in dataset_keys:
+        datasets = cfg[key] if isinstance(cfg[key], (list, ListConfig)) else [cfg[key]]
+        for i, ds in enumerate(datasets):
+            prefix = key if len(datasets) == 1 else f"{key}[{i}]"
+            for path in _paths(ds.get("data_files")):
+                if "://" not in path and not os.path.exists(path):
+                    raise _missing_input(f"{prefix}.data_files", path)
 
 
 def check_output_dir(path: str) -> None:
@@ -286,8 +329,22 @@ def check_output_dir(path: str) -> None:
         raise ConfigError("output_dir", f"'{path}' is not writable (checked '{probe}')")
 
 
-def _check_combinations(cfg: DictConfig) -> None:
-    if cfg.optimizer_in_bwd:
+def _check_validation(cfg: DictConfig, training: bool) -> None:
+    if cfg.batch_size_val is None:
+        cfg.batch_size_val = cfg.batch_size
+    if not training:
+        return
+    if validation_enabled(cfg) and cfg.dataset_val is None:
+        asked = ("run_val_every_n_steps" if cfg.run_val_every_n_steps else "run_val_at_start")
+        raise ConfigError("dataset_val", f"is required by {asked}: add a dataset_val (a dataset config, as "
+                          "`dataset`), or set run_val_every_n_steps=null run_val_at_start=false")
+    if cfg.dataset_val is not None and not validation_enabled(cfg):
+        log.info("dataset_val is set but run_val_every_n_steps is null: no validation during training "
+                 "(set run_val_every_n_steps=N to validate every N optimizer steps and at the end)")
+
+
+def _check_combinations(cfg: DictConfig, training: bool = True) -> None:
+    if training and cfg.optimizer_in_bwd:
         if cfg.gradient_accumulation_steps > 1 or cfg.clip_grad_norm is not None:
             raise ConfigError(
                 "optimizer_in_bwd",
@@ -312,6 +369,8 @@ def _check_combinations(cfg: DictConfig) -> None:
         on_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
         if on_cuda and not torch.cuda.is_bf16_supported():
             raise ConfigError("dtype", "bf16 is not supported by this CUDA device; use dtype=fp32")
+    if not training:
+        return
     if cfg.resume_from_checkpoint:
         from torchtune_ext.checkpoint import latest_checkpoint
 
@@ -332,12 +391,21 @@ def _listdir(path: str):
     return os.listdir(path) if os.path.isdir(path) else []
 
 
-def validate(cfg: DictConfig, extra_keys: Optional[Dict[str, Key]] = None) -> DictConfig:
+# Keys a training config must have that evaluating a checkpoint does not read.
+_TRAINING_ONLY = ("output_dir", "optimizer")
+
+
+def validate(cfg: DictConfig, extra_keys: Optional[Dict[str, Key]] = None,
+             evaluate_on: Optional[str] = None) -> DictConfig:
     """Fill defaults and check a recipe config before any work starts.
 
     Args:
         cfg (DictConfig): the parsed config (YAML plus command-line overrides).
         extra_keys (dict, optional): recipe-specific keys beyond :data:`COMMON_KEYS`.
+        evaluate_on (str, optional): check the config for evaluating a checkpoint
+            on this dataset key (``dataset`` or ``dataset_val``) instead of for
+            training: ``output_dir`` and ``optimizer`` may be absent and are not
+            checked, nor is anything about resuming.
 
     Returns:
         DictConfig: a new config with every known key present.
@@ -350,7 +418,10 @@ def validate(cfg: DictConfig, extra_keys: Optional[Dict[str, Key]] = None) -> Di
     for key in list(cfg.keys()):
         if key not in schema:
             log.warning("Unknown config key '%s' is ignored.%s", key, _closest(key, schema))
+    training = evaluate_on is None
     for key, spec in schema.items():
+        if not training and key in _TRAINING_ONLY:
+            continue
         if key not in cfg:
             if spec.required:
                 raise ConfigError(key, "is required but missing")
@@ -358,14 +429,20 @@ def validate(cfg: DictConfig, extra_keys: Optional[Dict[str, Key]] = None) -> Di
                 cfg[key] = spec.default
         spec.check(key, OmegaConf.to_object(cfg[key]) if OmegaConf.is_config(cfg[key]) else cfg[key])
 
-    _check_combinations(cfg)
+    _check_validation(cfg, training)
+    _check_combinations(cfg, training)
     if cfg.device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
             raise ConfigError("device", "cuda requested but no CUDA device is available; use device=cpu")
-    check_output_dir(cfg.output_dir)
-    check_input_files(cfg)
+    if training:
+        check_output_dir(cfg.output_dir)
+        check_input_files(cfg)
+    else:
+        if cfg.get(evaluate_on) is None:
+            raise ConfigError(evaluate_on, "is required to evaluate on it")
+        check_input_files(cfg, (evaluate_on,))
     return cfg
 
 

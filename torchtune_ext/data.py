@@ -80,8 +80,11 @@ def collate_packed(batch: List[Sample]) -> Dict[str, torch.Tensor]:
     return out
 
 
-def build_dataset(cfg_dataset: Any, tokenizer: Any) -> Tuple[Dataset, bool]:
-    """Instantiate the ``dataset`` config (one dataset or a list, concatenated).
+def build_dataset(cfg_dataset: Any, tokenizer: Any, key: str = "dataset") -> Tuple[Dataset, bool]:
+    """Instantiate a dataset config (one dataset or a list, concatenated).
+
+    Args:
+        key: the config key it came from (``dataset``, ``dataset_val``), for errors.
 
     Returns:
         (dataset, packed)
@@ -93,18 +96,18 @@ def build_dataset(cfg_dataset: Any, tokenizer: Any) -> Tuple[Dataset, bool]:
     cfgs = list(cfg_dataset) if isinstance(cfg_dataset, (list, ListConfig)) else [cfg_dataset]
     packed = {bool(c.get("packed", False)) for c in cfgs}
     if len(packed) > 1:
-        raise ConfigError("dataset", "packed and unpacked datasets cannot be mixed")
+        raise ConfigError(key, "packed and unpacked datasets cannot be mixed")
     datasets = []
     for i, c in enumerate(cfgs):
         try:
             datasets.append(tt_config.instantiate(c, tokenizer))
         except Exception as err:  # the datasets library raises many types for unreadable files
-            key = "dataset" if len(cfgs) == 1 else f"dataset[{i}]"
+            item = key if len(cfgs) == 1 else f"{key}[{i}]"
             source = c.get("data_files") or c.get("source")
-            raise ConfigError(key, f"could not load '{source}': {type(err).__name__}: {err}") from err
+            raise ConfigError(item, f"could not load '{source}': {type(err).__name__}: {err}") from err
     dataset = datasets[0] if len(datasets) == 1 else ConcatDataset(datasets)
     if len(dataset) == 0:
-        raise ConfigError("dataset", "the dataset yields zero samples")
+        raise ConfigError(key, "the dataset yields zero samples")
     return dataset, packed.pop()
 
 
@@ -229,6 +232,7 @@ class StepData:
             stand-ins for empty slots included.
         num_real_tokens (int): non-padding input tokens of this rank's samples
             (stand-ins excluded).
+        last_in_epoch (bool): no step of the epoch follows this one.
     """
 
     micro_batches: List[Dict[str, Any]]
@@ -236,6 +240,7 @@ class StepData:
     end_sample: int
     num_padded_positions: int
     num_real_tokens: int
+    last_in_epoch: bool = False
 
 
 def _real_length(sample: Sample, ignore_index: int) -> int:
@@ -268,6 +273,9 @@ class StepLoader:
         dp_rank, dp_world_size: this rank and the number of data-parallel ranks.
         group_by_length, max_tokens_per_micro_batch: see :func:`plan_step`.
         max_steps_per_epoch: stop an epoch after this many optimizer steps.
+        require_sample_per_rank: refuse a dataset with fewer samples than
+            ranks (training); False lets such ranks run stand-ins only
+            (evaluation, where that costs time but changes no number).
 
     Raises:
         ConfigError: (key ``dataset``) fewer samples than ``dp_world_size``.
@@ -288,8 +296,9 @@ class StepLoader:
         group_by_length: bool = False,
         max_tokens_per_micro_batch: Optional[int] = None,
         max_steps_per_epoch: Optional[int] = None,
+        require_sample_per_rank: bool = True,
     ):
-        if len(dataset) < dp_world_size:
+        if require_sample_per_rank and len(dataset) < dp_world_size:
             # Stand-ins would be all a rank trains on: a run that cannot learn there.
             raise ConfigError("dataset", f"the dataset yields {len(dataset)} sample(s), fewer than the "
                               f"{dp_world_size} data-parallel ranks; use fewer processes or more data")
@@ -324,10 +333,13 @@ class StepLoader:
         """The steps of ``epoch`` from sample ``start_sample`` on, ``steps_done`` steps into it."""
         order = epoch_order(len(self.dataset), epoch, self.seed, self.shuffle)
         position = start_sample
-        for _ in range(self.remaining_steps(start_sample, steps_done)):
+        steps = self.remaining_steps(start_sample, steps_done)
+        for i in range(steps):
             indices = order[position:position + self.global_batch_size]
             position += len(indices)
-            yield self.load_step(indices, end_sample=position)
+            step = self.load_step(indices, end_sample=position)
+            step.last_in_epoch = i == steps - 1
+            yield step
 
     def load_step(self, indices: Sequence[int], end_sample: int = 0) -> StepData:
         """Plan and collate this rank's micro-batches for the step made of ``indices``."""

@@ -13,7 +13,7 @@ import os
 import resource
 import time
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import torch
 from omegaconf import DictConfig
@@ -89,6 +89,7 @@ def step_record(
     device: torch.device,
     dp_world_size: int = 1,
     skipped_steps: int = 0,
+    tokens_seen: int = 0,
 ) -> Dict[str, Any]:
     """The metrics of one optimizer step, as logged by every recipe.
 
@@ -101,8 +102,9 @@ def step_record(
     the shift, all ranks: padding and masked prompts excluded),
     ``tokens_per_second`` (num_tokens / step wall time), ``step_seconds``,
     ``peak_memory_gib`` (see :func:`peak_memory_gib`), ``skipped_steps``
-    (cumulative), and with ``dp_world_size > 1`` also ``dp_world_size`` and
-    ``tokens_per_second_per_device``.
+    (cumulative), ``tokens_seen`` (cumulative ``num_tokens`` of the steps that
+    updated the model: an x axis comparable across batch sizes), and with
+    ``dp_world_size > 1`` also ``dp_world_size`` and ``tokens_per_second_per_device``.
     """
     record: Dict[str, Any] = {"step": step, "epoch": epoch}
     if result.skipped is None:
@@ -116,11 +118,66 @@ def step_record(
         step_seconds=step_seconds,
         peak_memory_gib=peak_memory_gib(device),
         skipped_steps=skipped_steps,
+        tokens_seen=tokens_seen,
     )
     if dp_world_size > 1:
         record["dp_world_size"] = dp_world_size
         record["tokens_per_second_per_device"] = record["tokens_per_second"] / dp_world_size
     return record
+
+
+def loss_curves(records: Iterable[Mapping[str, Any]], x: str) -> Dict[str, Tuple[List[float], List[float]]]:
+    """The training and validation loss curves of a run's records, against ``x``.
+
+    Args:
+        records: ``metrics.jsonl`` rows in order; a resumed run logs some steps
+            twice, and the last record of a step (training or validation) counts.
+        x: ``step`` or ``tokens_seen``.
+
+    Returns:
+        ``{"loss": (xs, ys), "val_loss": (xs, ys)}``, each sorted by step;
+        records without the loss (skipped steps) are left out.
+    """
+    last: Dict[Tuple[str, int], Mapping[str, Any]] = {}
+    for record in records:
+        for key in ("loss", "val_loss"):
+            if record.get(key) is not None:
+                last[key, record["step"]] = record
+    curves: Dict[str, Tuple[List[float], List[float]]] = {"loss": ([], []), "val_loss": ([], [])}
+    for (key, _), record in sorted(last.items(), key=lambda item: item[0][1]):
+        curves[key][0].append(record.get(x, 0))
+        curves[key][1].append(record[key])
+    return curves
+
+
+def log_wandb_loss_charts(records: Iterable[Mapping[str, Any]]) -> None:
+    """Log, to the active W&B run, the training and validation loss on one chart
+    against ``step`` and one against ``tokens_seen`` (``loss_vs_step``,
+    ``loss_vs_tokens_seen``; W&B's own panels show one metric each)."""
+    import wandb
+
+    if wandb.run is None:
+        return
+    records = list(records)
+    charts = {}
+    for x in ("step", "tokens_seen"):
+        curves = {k: v for k, v in loss_curves(records, x).items() if v[0]}
+        if curves:
+            charts[f"loss_vs_{x}"] = wandb.plot.line_series(
+                xs=[xs for xs, _ in curves.values()], ys=[ys for _, ys in curves.values()],
+                keys=list(curves), title=f"training and validation loss vs {x}", xname=x)
+    if charts:
+        wandb.log(charts)
+
+
+def define_wandb_axes() -> None:
+    """Declare the x axes of a W&B run: torchtune's ``WandBLogger`` plots every
+    metric against ``global_step`` (our ``step``); ``tokens_seen`` is the other
+    (cumulative trainable tokens, comparable across batch sizes)."""
+    import wandb
+
+    wandb.define_metric("tokens_seen", summary="max")
+    wandb.define_metric("val_loss", step_metric="global_step", summary="min")
 
 
 class MetricLogger:
@@ -130,12 +187,17 @@ class MetricLogger:
         jsonl_path (Path): ``metrics.jsonl`` to append to (parents created).
         backend: a torchtune ``MetricLoggerInterface`` instance, or None.
         rank (int): this process's global rank; non-zero ranks write nothing.
+        wandb_charts (bool): the backend is W&B: on :meth:`close`, log the
+            combined loss charts of the whole run (:func:`log_wandb_loss_charts`,
+            from the JSONL file, so a resumed run's chart covers all of it).
     """
 
-    def __init__(self, jsonl_path: Path, backend: Optional[Any] = None, rank: int = 0):
+    def __init__(self, jsonl_path: Path, backend: Optional[Any] = None, rank: int = 0, wandb_charts: bool = False):
         self._active = rank == 0
         self._backend = backend if self._active else None
         self._jsonl = None
+        self._path = jsonl_path
+        self._wandb_charts = wandb_charts and self._backend is not None
         if self._active:
             jsonl_path.parent.mkdir(parents=True, exist_ok=True)
             self._jsonl = open(jsonl_path, "a", buffering=1)
@@ -159,6 +221,10 @@ class MetricLogger:
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None
+        if self._wandb_charts:
+            with open(self._path) as f:
+                log_wandb_loss_charts(json.loads(line) for line in f if line.strip())
+            self._wandb_charts = False
         if self._backend is not None:
             self._backend.close()
             self._backend = None
@@ -188,7 +254,8 @@ def build_metric_logger(cfg: DictConfig, rank: int, resume: bool = False) -> Met
             if wandb.run is not None:
                 logs.mkdir(parents=True, exist_ok=True)
                 id_file.write_text(wandb.run.id)
-    return MetricLogger(logs / "metrics.jsonl", backend, rank)
+                define_wandb_axes()
+    return MetricLogger(logs / "metrics.jsonl", backend, rank, wandb_charts=backend is not None and is_wandb)
 
 
 class StepReporter:
@@ -217,10 +284,12 @@ class StepReporter:
         reset_peak_memory(self._device)
         self._timer.start()
 
-    def end_step(self, result: StepResult, *, step: int, epoch: int, lr: float, skipped_steps: int) -> Dict[str, Any]:
+    def end_step(self, result: StepResult, *, step: int, epoch: int, lr: float, skipped_steps: int,
+                 tokens_seen: int = 0) -> Dict[str, Any]:
         """Build the step's record (see :func:`step_record`), log it if due, advance the bar."""
         record = step_record(result, step=step, epoch=epoch, lr=lr, step_seconds=self._timer.stop(),
-                             device=self._device, dp_world_size=self._dp_world_size, skipped_steps=skipped_steps)
+                             device=self._device, dp_world_size=self._dp_world_size, skipped_steps=skipped_steps,
+                             tokens_seen=tokens_seen)
         if step % self._log_every == 0:
             self._logger.log(record)
         self._bar.update(1)
@@ -242,6 +311,9 @@ __all__ = [
     "MetricLogger",
     "StepTimer",
     "build_metric_logger",
+    "define_wandb_axes",
+    "log_wandb_loss_charts",
+    "loss_curves",
     "peak_memory_gib",
     "progress_description",
     "reset_peak_memory",
