@@ -39,6 +39,7 @@ from torchtune_ext.checkpoint import (
 from torchtune_ext.data import build_step_loader
 from torchtune_ext.evaluate import Validator, build_val_loader
 from torchtune_ext.loss import build_loss
+from torchtune_ext.models import initialize_adapters
 from torchtune_ext.metrics import StepReporter, build_metric_logger
 from torchtune_ext.step import NonFiniteError, build_lr_scheduler, train_step
 
@@ -106,15 +107,9 @@ class LoRAFinetuneRecipeDistributed:
         # receives only its shard when the weights are loaded.
         with training.set_default_dtype(self._dtype), torch.device("meta"):
             model = config.instantiate(cfg_model)
+        # The adapters are small: in full on CPU, from the run's seed, as in every recipe and world size.
+        initialize_adapters(model, self.progress.seed)
         set_trainable_params(model, get_adapter_params(model))
-        # The adapters are small: initialize them in full on CPU from the run's
-        # seed, so every rank, whatever the world size, starts from the same adapter.
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.progress.seed)
-            for module in model.modules():
-                if hasattr(module, "adapter_params") and hasattr(module, "initialize_parameters"):
-                    module.to_empty(device="cpu")  # LoRA/DoRA override: the adapter only, not the base weight
-                    module.initialize_parameters()
         if self.cfg.enable_activation_checkpointing:
             training.set_activation_checkpointing(model, auto_wrap_policy={modules.TransformerSelfAttentionLayer})
         if self.cfg.compile:

@@ -38,6 +38,7 @@ from torchtune_ext.checkpoint import (
 from torchtune_ext.data import build_step_loader
 from torchtune_ext.evaluate import Validator, build_val_loader
 from torchtune_ext.loss import build_loss
+from torchtune_ext.models import initialize_adapters
 from torchtune_ext.metrics import StepReporter, build_metric_logger
 from torchtune_ext.step import NonFiniteError, build_lr_scheduler, train_step
 
@@ -98,6 +99,7 @@ class LoRAFinetuneRecipeSingleDevice:
                      adapter_state: Optional[Dict[str, Any]]) -> torch.nn.Module:
         with training.set_default_dtype(self._dtype), self._device:
             model = config.instantiate(cfg_model)
+        initialize_adapters(model, self.progress.seed)  # the same adapter as the distributed recipe, on any device
         # Before wrapping for activation checkpointing, which renames the parameters.
         self._adapter_params = get_adapter_params(model)
         set_trainable_params(model, self._adapter_params)
