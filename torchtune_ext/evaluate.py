@@ -170,7 +170,8 @@ def build_eval_loader(cfg: DictConfig, tokenizer: Any, key: str, *, ignore_index
     Raises:
         ConfigError: (naming ``key``) as :func:`torchtune_ext.data.build_dataset`.
     """
-    dataset, packed = build_dataset(cfg[key], tokenizer, key=key)
+    dataset, packed = build_dataset(cfg[key], tokenizer, key=key, ignore_index=ignore_index,
+                                    data_errors=cfg.data_errors)
     if cfg.max_val_samples is not None and cfg.max_val_samples < len(dataset):
         dataset = Subset(dataset, range(cfg.max_val_samples))
     return StepLoader(
