@@ -144,27 +144,49 @@ def test_config_errors_name_the_key(tiny_run, override):
         assert word in str(err.value)
 
 
-# One bad input per stage of start-up, through the command line: validation,
-# data loading, model loading. Each exits 2 with one line and leaves the
-# output folder as it was.
+# One bad input per stage of start-up, through the command line: the command
+# line itself, validation, components, data loading, the data pass, the base
+# checkpoint, model loading. Each exits 2 with one line and leaves the output
+# folder as it was (no .staging, no logs).
 @pytest.mark.parametrize("override,words", [
+    ("~model", ["'~model'", "component"]),
     ("gradient_accumulation_steps=-1", ["gradient_accumulation_steps", "positive integer"]),
+    ("optimizer.lr=-1", ["'optimizer'", "Invalid learning rate: -1"]),
     ("dataset.data_files=DATA", ["'dataset'", "could not load"]),
+    ("dataset.data_files=COLUMNS", ["'dataset'", "no column 'instruction'"]),
+    ("checkpointer.checkpoint_dir=TRUNCATED", ["checkpointer.checkpoint_dir", "model.safetensors"]),
     ("model.embed_dim=32", ["checkpointer.checkpoint_dir", "does not fit"]),
-], ids=["validation", "data", "model"])
+], ids=["command-line", "validation", "optimizer", "data", "columns", "truncated-weights", "model"])
 def test_bad_input_fails_cleanly_and_writes_nothing(tiny_run, override, words):
     config = tiny_run(gradient_accumulation_steps=2)
-    bad_data = config.parent / "bad.json"
-    bad_data.write_text("{not json")
-    out = config.parent / "out"
+    root = config.parent
+    (root / "bad.json").write_text("{not json")
+    (root / "columns.json").write_text(json.dumps([{"prompt": "a", "answer": "b"}] * 4))
+    shutil.copytree(root / "ckpt", root / "truncated")
+    weights = root / "truncated" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    out = root / "out"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
-    proc = tune(config, override.replace("DATA", str(bad_data)))
+    override = override.replace("DATA", str(root / "bad.json")).replace("COLUMNS", str(root / "columns.json"))
+    proc = tune(config, override.replace("TRUNCATED", str(root / "truncated")))
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+    assert len([line for line in proc.stderr.splitlines() if line.startswith("error:")]) == 1
     for word in words:
         assert word in proc.stderr, (word, proc.stderr[-1000:])
     assert sorted(os.listdir(out)) == ["notes.txt"]
+
+
+def test_broken_config_file_is_one_line_with_its_line_number(tiny_run):
+    config = tiny_run()
+    text = config.read_text().replace("batch_size: 2", "batch_size: [2")
+    config.write_text(text)
+    line = text.splitlines().index("batch_size: [2") + 1
+    proc = tune(config)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert f"error: --config '{config}', line {line + 1}" in proc.stderr, proc.stderr[-1000:]
+    assert not (config.parent / "out").exists()
 
 
 @pytest.mark.parametrize("content", ["{not json", "[]"], ids=["unparseable", "empty"])

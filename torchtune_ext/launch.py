@@ -190,17 +190,24 @@ def quiet_reported_failures(run: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return run(*args, **kwargs)
         except ChildFailedError as err:
-            rank, first = err.get_first_failure()
-            if first.exitcode not in REPORTED_EXIT_CODES:
-                raise
+            _, first = err.get_first_failure()
+            reported = {r: f for r, f in err.failures.items() if f.exitcode in REPORTED_EXIT_CODES}
+            if not reported or (first.exitcode >= 0 and first.exitcode not in REPORTED_EXIT_CODES):
+                raise  # a crash (or a signal from outside): torchrun's report is what helps
+            rank, failure = min(reported.items(), key=lambda item: (item[1].timestamp, item[0]))
+            # Rank 0 prints before it writes its error file; it may have been stopped by torchrun
+            # (SIGTERM) after that, while exiting, when another rank exited first.
             rank_zero = err.failures.get(0)
-            if rank_zero is None or rank_zero.exitcode != first.exitcode:
-                message = first.message if isinstance(first.message, str) and first.message.startswith("error:") \
-                    else f"error: exit status {first.exitcode}"
+            if not (rank_zero is not None and _is_report(rank_zero.message)):
+                message = failure.message if _is_report(failure.message) else f"error: exit status {failure.exitcode}"
                 print(f"{message} (rank {rank})", file=sys.stderr, flush=True)
-            sys.exit(first.exitcode)
+            sys.exit(failure.exitcode)
 
     return wrapper
+
+
+def _is_report(message: Any) -> bool:
+    return isinstance(message, str) and message.startswith("error:")
 
 
 def _drop_reported_failure_log(record: Any) -> bool:
