@@ -229,6 +229,8 @@ class StepHealth:
                 f"({steps[0]}-{steps[-1]}), skipped: its final parameters produce non-finite values",
                 self._suspect_from, self._advice())
         done = self.last_step - self.start_step
+        if done == 0:
+            return f"Training finished: no optimizer step was left to run after step {self.start_step}"
         parts = [f"{len(v)} {k} (steps {_steps(v)})" for k, v in self.skipped.items() if v]
         summary = (f"Training finished: {done} optimizer steps in this run (steps {self.start_step + 1}-"
                    f"{self.last_step}), " + (f"skipped: {'; '.join(parts)}" if parts else "none skipped"))

@@ -53,7 +53,7 @@ class _RssSampler:
 
     def reset(self) -> None:
         with self._lock:
-            self._hwm_at_reset = _read_hwm_bytes()
+            self._hwm_at_reset = lifetime_peak_rss_bytes()
             self._window_max = _read_rss_bytes()
         if self._thread is None and self._hwm_at_reset is not None:
             self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
@@ -67,7 +67,7 @@ class _RssSampler:
             time.sleep(self._interval)
 
     def peak_bytes(self) -> int:
-        hwm = _read_hwm_bytes()
+        hwm = lifetime_peak_rss_bytes()
         if hwm is None:  # not Linux: the lifetime peak is all there is
             return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         with self._lock:
@@ -77,8 +77,11 @@ class _RssSampler:
             return self._window_max
 
 
-def _read_hwm_bytes() -> Optional[int]:
-    """The process's lifetime peak RSS (VmHWM), or None where /proc is unavailable."""
+def lifetime_peak_rss_bytes() -> Optional[int]:
+    """The process's lifetime peak resident set size (Linux VmHWM) in bytes, or None where /proc is unavailable.
+
+    What ``/usr/bin/time`` and schedulers report, unless something clears it.
+    """
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -386,6 +389,7 @@ __all__ = [
     "define_wandb_axes",
     "log_wandb_loss_charts",
     "loss_curves",
+    "lifetime_peak_rss_bytes",
     "peak_memory_gib",
     "progress_description",
     "reset_peak_memory",
