@@ -14,6 +14,8 @@ from torchtune_ext.data import build_dataset
 from torchtune_ext.launch import check_command_line
 from torchtune_ext.preflight import check_components
 
+IGNORE = -100
+
 CPU = torch.device("cpu")
 
 
@@ -238,3 +240,23 @@ def test_data_errors_key_reaches_the_data_pass(tiny_run, tmp_path):
     cfg.data_errors = "ignore"
     with pytest.raises(ConfigError, match="'data_errors'.*warn, error"):
         validate(cfg)
+
+
+def test_packed_documents_with_nothing_to_learn_are_counted_but_not_split_fragments():
+    from torchtune.datasets import PackedDataset
+
+    from helpers import instruct_samples
+    from torchtune_ext.data_check import check_dataset
+
+    samples = instruct_samples([3, 4, 5, 2], [5, 0, 6, 9])  # sample 1: prompt only, nothing to learn
+    report = check_dataset(PackedDataset(samples, max_seq_len=16, padding_idx=0), {"data_files": "x.json"},
+                           "dataset", ignore_index=IGNORE, max_seq_len=None)
+    assert (report.num_samples, report.num_tokens) == (4, 5 + 0 + 6 + 9)
+    assert report.problems() == ["1 document with no trainable token (all labels masked, e.g. an empty answer) "
+                                 "(first: document 1)"]
+    # Split across packs of 8, the second sample's first token ends the first pack: a fragment that
+    # trains nothing (its label is the prompt's), the packing's doing, not reported.
+    split = PackedDataset(instruct_samples([2, 2], [5, 4]), max_seq_len=8, padding_idx=0, split_across_pack=True)
+    assert [p["seq_lens"].tolist() for p in split.packs] == [[7, 1], [5, 3]]
+    report = check_dataset(split, {"data_files": "x.json"}, "dataset", ignore_index=IGNORE, max_seq_len=None)
+    assert (report.num_samples, report.problems()) == (2, [])

@@ -179,23 +179,32 @@ def check_dataset(dataset: Any, cfg_dataset: Any, key: str, *, ignore_index: int
     cut = report.finding("cut", f"cut at tokenizer.max_seq_len={max_seq_len} (their end is not trained)",
                          is_error=False)
     if hasattr(dataset, "packs"):
+        # torchtune's PackedDataset: documents in order, each pack padded at the end (a last
+        # document whose labels are all masked; see torchtune_ext.data._real_length). With
+        # split_across_pack a full pack's last document may go on at the start of the next
+        # pack: such boundary fragments are one sample, and a 1-token fragment that trains
+        # nothing is the packing's doing, not the data's, so they are not judged alone.
         report.unit = "document"
-        document = 0
+        split = bool(getattr(dataset, "split_across_pack", False))
+        continued = False
         for pack in dataset.packs:
             labels = [int(x) for x in pack["labels"]]
-            seq_lens = [int(n) for n in pack["seq_lens"]]
-            start = 0
-            for j, n in enumerate(seq_lens):
-                doc = labels[start:start + n]
+            bounds, start = [], 0
+            for n in (int(n) for n in pack["seq_lens"]):
+                bounds.append((start, start + n))
                 start += n
-                if j == len(seq_lens) - 1 and j > 0 and all(x == ignore_index for x in doc):
-                    break  # the pack's padding (see torchtune_ext.data._real_length)
-                count = _trainable(doc, ignore_index)
-                report.num_samples += 1
+            padded = len(bounds) > 1 and all(x == ignore_index for x in labels[bounds[-1][0]:])
+            if padded:
+                bounds.pop()
+            for j, (begin, end) in enumerate(bounds):
+                count = _trainable(labels[begin:end], ignore_index)
                 report.num_tokens += count
-                if count == 0:
-                    no_tokens.add(document)
-                document += 1
+                fragment = split and ((j == 0 and continued) or (j == len(bounds) - 1 and not padded))
+                if not (j == 0 and continued):
+                    report.num_samples += 1
+                if count == 0 and not fragment:
+                    no_tokens.add(report.num_samples - 1)
+            continued = split and not padded
     else:
         for i in range(len(dataset)):
             try:
