@@ -98,23 +98,26 @@ def test_partial_window_at_epoch_end(tiny_run):
     assert rows[-1]["lr"] == pytest.approx(0.5 * (1 + torch.cos(torch.tensor(torch.pi * 2 / 3)).item()) * 1e-3)
 
 
-def test_nonfinite_loss_stops_and_never_recommends_a_later_checkpoint(tiny_run):
-    """SGD at lr 1e25: step 1's update ruins the model (finite, so step_1 is saved), step 2 is NaN."""
+def test_nonfinite_values_stop_and_never_recommend_a_later_checkpoint(tiny_run):
     config = tiny_run(batch_size=4, gradient_accumulation_steps=1, save_every_n_steps=1, clip_grad_norm=None,
-                      **{"optimizer._component_": "torch.optim.SGD", "optimizer.lr": 1e25,
-                         "optimizer.weight_decay": 0.0, "lr_scheduler": None})
-    proc = tune(config)
+                      **{"optimizer._component_": "torch.optim.SGD", "optimizer.weight_decay": 0.0,
+                         "lr_scheduler": None})
+    # SGD at lr 1e25: step 1's update overflows the weights; caught before step_1 is saved.
+    proc = tune(config, "optimizer.lr=1e25")
     assert proc.returncode == 3, proc.stderr[-2000:]
-    assert "non-finite values at optimizer step 2" in proc.stderr
+    assert "the update of optimizer step 1 made parameters non-finite" in proc.stderr
     assert "Last checkpoint from before the damage: none (only the base model)" in proc.stderr
-    assert "not to be resumed from: step_1" in proc.stderr
+    assert not list((config.parent / "out").glob("step_*"))
 
-    # Skipping does not help when the parameters themselves are broken: 5 in a row stop the run.
-    proc = tune(config, f"output_dir={config.parent / 'skip'}", "skip_nonfinite_steps=true")
+    # At lr 1e15 the weights stay finite (step_1 is saved) but step 2 is NaN. Skipping does not
+    # help when the parameters themselves are broken: 5 non-finite steps in a row stop the run.
+    out = config.parent / "skip"
+    proc = tune(config, "optimizer.lr=1e15", f"output_dir={out}", "skip_nonfinite_steps=true")
     assert proc.returncode == 3, proc.stderr[-2000:]
-    assert "the 5th in a row (steps 2-6)" in proc.stderr
-    rows = read_jsonl(config.parent / "skip/logs/metrics.jsonl")
-    assert [r["skipped_steps"] for r in rows] == [0, 1, 2, 3, 4]
+    assert "non-finite values at optimizer step 6" in proc.stderr and "the 5th in a row (steps 2-6)" in proc.stderr
+    assert "Last checkpoint from before the damage: none (only the base model)" in proc.stderr
+    assert "not to be resumed from: step_1, step_2, step_3, step_4, step_5" in proc.stderr
+    assert [r["skipped_steps"] for r in read_jsonl(out / "logs/metrics.jsonl")] == [0, 1, 2, 3, 4]
 
 
 CONFIG_ERRORS = {
