@@ -57,14 +57,9 @@ IGNORE_INDEX = -100
 
 
 def _vm_hwm_bytes() -> Optional[int]:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    from torchtune_ext.metrics import lifetime_peak_rss_bytes
+
+    return lifetime_peak_rss_bytes()
 
 
 def _reset_cpu_peak() -> None:

@@ -27,20 +27,21 @@ from torchtune import config, modules, training, utils
 from torchtune.modules.peft import get_adapter_params, set_trainable_params, validate_missing_and_unexpected_for_lora
 
 from torchtune_ext import config as recipe_config
-from torchtune_ext import distributed
+from torchtune_ext import distributed, launch
 from torchtune_ext.checkpoint import (
     CheckpointManager,
     Progress,
     latest_checkpoint,
     lora_checkpoint_state,
     load_recipe_state,
-    nonfinite_error,
 )
 from torchtune_ext.data import build_step_loader
 from torchtune_ext.evaluate import Validator, build_val_loader
 from torchtune_ext.loss import build_loss
+from torchtune_ext.models import initialize_adapters
 from torchtune_ext.metrics import StepReporter, build_metric_logger
-from torchtune_ext.step import NonFiniteError, build_lr_scheduler, train_step
+from torchtune_ext.preflight import check_components
+from torchtune_ext.step import StepHealth, build_lr_scheduler, train_step
 
 log = utils.get_logger("INFO")
 
@@ -63,6 +64,7 @@ class LoRAFinetuneRecipeDistributed:
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
         cfg = self.cfg
+        check_components(cfg, self._device)  # before anything is loaded or written
         resume_from = latest_checkpoint(cfg.output_dir) if cfg.resume_from_checkpoint else None
         resumed: Dict[str, Any] = load_recipe_state(resume_from) if resume_from else {}
         if resumed:
@@ -94,6 +96,8 @@ class LoRAFinetuneRecipeDistributed:
             if self._lr_scheduler is not None:
                 self._lr_scheduler.load_state_dict(resumed["lr_scheduler"])
 
+        self._health = StepHealth(cfg.output_dir, skip_nonfinite_steps=cfg.skip_nonfinite_steps,
+                                  loss_spike_nats=cfg.loss_spike_nats, start_step=self.progress.step)
         self._metric_logger = build_metric_logger(cfg, rank=self._rank, resume=bool(resumed))
         self._metric_logger.log_config(cfg)
         self._validator = Validator(cfg, self._val_data, self._model, self._loss_fn, self._metric_logger, self._device)
@@ -106,15 +110,9 @@ class LoRAFinetuneRecipeDistributed:
         # receives only its shard when the weights are loaded.
         with training.set_default_dtype(self._dtype), torch.device("meta"):
             model = config.instantiate(cfg_model)
+        # The adapters are small: in full on CPU, from the run's seed, as in every recipe and world size.
+        initialize_adapters(model, self.progress.seed)
         set_trainable_params(model, get_adapter_params(model))
-        # The adapters are small: initialize them in full on CPU from the run's
-        # seed, so every rank, whatever the world size, starts from the same adapter.
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.progress.seed)
-            for module in model.modules():
-                if hasattr(module, "adapter_params") and hasattr(module, "initialize_parameters"):
-                    module.to_empty(device="cpu")  # LoRA/DoRA override: the adapter only, not the base weight
-                    module.initialize_parameters()
         if self.cfg.enable_activation_checkpointing:
             training.set_activation_checkpointing(model, auto_wrap_policy={modules.TransformerSelfAttentionLayer})
         if self.cfg.compile:
@@ -165,14 +163,11 @@ class LoRAFinetuneRecipeDistributed:
             for step_data in self._data.epoch(progress.epoch, progress.samples_in_epoch, progress.steps_in_epoch):
                 reporter.start_step()
                 lr = training.get_lr(self._optimizer)
-                try:
-                    result = train_step(
-                        self._model, self._optimizer, self._loss_fn, step_data.micro_batches, device=self._device,
-                        backward_once_per_step=cfg.backward_once_per_step, clip_grad_norm=cfg.clip_grad_norm,
-                        skip_nonfinite_steps=cfg.skip_nonfinite_steps, step=progress.step + 1,
-                    )
-                except NonFiniteError as err:
-                    raise nonfinite_error(err, cfg.output_dir) from err
+                result = train_step(
+                    self._model, self._optimizer, self._loss_fn, step_data.micro_batches, device=self._device,
+                    backward_once_per_step=cfg.backward_once_per_step, clip_grad_norm=cfg.clip_grad_norm,
+                    health=self._health, step=progress.step + 1,
+                )
                 if self._lr_scheduler is not None:
                     self._lr_scheduler.step()
                 progress.complete_step(skipped=result.skipped is not None, end_sample=step_data.end_sample,
@@ -186,6 +181,7 @@ class LoRAFinetuneRecipeDistributed:
             if progress.epoch < cfg.epochs or cfg.save_final_checkpoint:
                 self.save_checkpoint()
         reporter.close()
+        utils.log_rank_zero(log, self._health.finish())  # a summary; an error if the run ended in non-finite steps
 
     # ------------------------------------------------------------- checkpoint
     def save_checkpoint(self) -> None:
@@ -205,8 +201,8 @@ class LoRAFinetuneRecipeDistributed:
         distributed.destroy_process_group()
 
 
+@launch.exit_on_user_error  # outside config.parse: it also checks the command line torchtune parses
 @config.parse
-@recipe_config.exit_on_user_error
 def recipe_main(cfg: DictConfig) -> None:
     cfg = recipe_config.validate(cfg, extra_keys={**recipe_config.LORA_KEYS, **recipe_config.DISTRIBUTED_KEYS})
     recipe = LoRAFinetuneRecipeDistributed(cfg)

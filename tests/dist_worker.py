@@ -125,7 +125,7 @@ def run_eval_case(case: dict, rank: int, world_size: int) -> dict:
     cfg = OmegaConf.create({
         "dataset_val": {"_component_": "helpers.synthetic_val_dataset", "packed": case.get("packed", False)},
         "batch_size_val": case["batch_size"], "max_val_samples": None, "group_by_length": case.get("grouped", False),
-        "max_tokens_per_micro_batch": case.get("budget"),
+        "max_tokens_per_micro_batch": case.get("budget"), "data_errors": "warn",
     })
     loader = build_eval_loader(cfg, SimpleNamespace(pad_id=0), "dataset_val", ignore_index=IGNORE, dp_rank=rank,
                                dp_world_size=world_size)

@@ -286,3 +286,11 @@ def run_recipe(recipe_cls, cfg):
     recipe.train()
     recipe.cleanup()
     return recipe
+
+
+def lr_jump_schedule(optimizer, num_training_steps: int, at_step: int, factor: float):
+    """A constant LR schedule that multiplies the LR by ``factor`` from optimizer step ``at_step`` (1-based) on.
+
+    Usable as an ``lr_scheduler`` component in tests: it destroys a model at a known step.
+    """
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: factor if done + 1 >= at_step else 1.0)

@@ -94,3 +94,30 @@ def test_tokens_seen_counts_the_steps_that_updated_the_model():
     assert progress.tokens_seen == 130 and progress.step == 3 and progress.skipped_steps == 1
     # checkpoints written before tokens_seen existed still load
     assert Progress(**{"step": 2, "epoch": 0, "steps_in_epoch": 2, "samples_in_epoch": 8}).tokens_seen == 0
+
+
+def test_broken_checkpoint_names_the_file_and_the_previous_intact_one(manager):
+    first, second = save(manager, 1), save(manager, 2)
+    (second / "weights.bin").write_bytes(b"x")  # truncated
+    with pytest.raises(ConfigError, match=f"'weights.bin' has 1 bytes.*previous checkpoint '{first}' is intact"):
+        verify_checkpoint(second)
+    (first / "weights.bin").write_bytes(b"y")
+    with pytest.raises(ConfigError, match="No earlier checkpoint of this run is intact"):
+        verify_checkpoint(second)
+
+
+def test_unreadable_recipe_state_with_a_matching_size_is_named(manager):
+    first, second = save(manager, 1), save(manager, 2)
+    state = second / "recipe_state.pt"
+    state.write_bytes(b"\0" * state.stat().st_size)  # same size, garbage: the manifest cannot tell
+    with pytest.raises(ConfigError, match=f"'{state}' cannot be read.*'{first}' is intact"):
+        load_recipe_state(second)
+
+
+def test_save_never_collides_with_a_folder_without_manifest(manager):
+    stray = manager.output_dir / "step_2"
+    stray.mkdir(parents=True)
+    (stray / "notes.txt").write_text("mine")
+    path = save(manager, 2)
+    assert verify_checkpoint(path)["step"] == 2
+    assert (manager.output_dir / "step_2.incomplete" / "notes.txt").read_text() == "mine"

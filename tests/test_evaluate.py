@@ -136,7 +136,7 @@ def test_no_trainable_token_gives_no_loss():
 def val_cfg(**overrides):
     cfg = {"dataset_val": {"_component_": "helpers.synthetic_val_dataset"}, "run_val_every_n_steps": 2,
            "run_val_at_start": False, "batch_size_val": 3, "max_val_samples": None, "group_by_length": True,
-           "max_tokens_per_micro_batch": None, "epochs": 2}
+           "max_tokens_per_micro_batch": None, "epochs": 2, "data_errors": "warn"}
     cfg.update(overrides)
     return OmegaConf.create(cfg)
 

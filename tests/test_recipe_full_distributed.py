@@ -99,3 +99,24 @@ def test_weights_that_do_not_fit_are_a_config_error(smollm2_assets, tmp_path):
             recipe.setup()
     finally:
         distributed.destroy_process_group()
+
+
+def test_two_ranks_stop_together_with_one_line(smollm2_assets, tmp_path):
+    """Under torchrun a bad input, and a destroyed model, end the job with one line and the recipe's exit
+    status (2, 3), not torchrun's ChildFailedError report; the ranks agree on the step at which they stop."""
+    cases = {"bad_input": (["optimizer.lr=abc"], 2, "config key 'optimizer.lr'"),
+             "destroyed": (["optimizer.lr=1e6", "lr_scheduler.num_warmup_steps=1", "save_every_n_steps=1"], 3,
+                           "optimizer step 3")}
+    for name, (overrides, status, words) in cases.items():
+        out = tmp_path / name
+        config = tmp_path / f"{name}.yaml"
+        OmegaConf.save(tiny_config(smollm2_assets, tmp_path, out, "batch_size=2", "gradient_accumulation_steps=1",
+                                   *overrides), config)
+        proc = run_tune("--nproc_per_node", "2", RECIPE, "--config", str(config), timeout=300)
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert proc.returncode == status, proc.stderr[-3000:]
+        assert len(errors) == 1 and words in errors[0], proc.stderr[-3000:]
+        assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr
+    assert not (tmp_path / "bad_input").exists()
+    assert "Last checkpoint from before the damage" in errors[0] and "step_2" in errors[0]
+    assert [r["step"] for r in read_jsonl(tmp_path / "destroyed" / "logs" / "metrics.jsonl")] == [1, 2]

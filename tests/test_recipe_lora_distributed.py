@@ -3,6 +3,7 @@
 import json
 import shutil
 
+import pytest
 import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
@@ -78,3 +79,29 @@ def test_dora_on_one_rank_starts_like_single_device(smollm2_assets, tmp_path):
         assert not (tmp_path / name / "step_1" / "model-00001-of-00001.safetensors").exists()
     assert losses["dist"][1] == losses["single"][1]
     assert abs(losses["dist"][0] - losses["single"][0]) <= 1e-6 * losses["single"][0]
+
+
+@pytest.mark.parametrize("use_dora", [False, True], ids=["lora", "dora"])
+def test_one_device_one_rank_and_two_ranks_train_alike(smollm2_assets, tmp_path, use_dora):
+    """The same seed and data give the same adapter, so the same losses and gradient norms:
+    the single-device recipe at batch 4, the distributed one on 1 rank at batch 4 and on 2 ranks at batch 2."""
+    settings = ["max_steps_per_epoch=3", "lr_scheduler.num_warmup_steps=1", "optimizer.lr=0.01",
+                "model.lora_dropout=0.0", "save_final_checkpoint=false", f"model.use_dora={use_dora}",
+                "gradient_accumulation_steps=1"]
+    runs = {}
+    for name, recipe_file, cls, schema in (
+            ("single", "recipes/lora_finetune_single_device.py", "LoRAFinetuneRecipeSingleDevice", LORA_KEYS),
+            ("one_rank", RECIPE, "LoRAFinetuneRecipeDistributed", SCHEMA)):
+        cfg = tiny_config(smollm2_assets, tmp_path, tmp_path / name, *settings, "batch_size=4")
+        run_recipe(recipe_class(recipe_file, cls), validate(cfg, extra_keys=schema))
+        runs[name] = read_jsonl(tmp_path / name / "logs" / "metrics.jsonl")
+    runs["two_ranks"] = two_ranks(smollm2_assets, tmp_path, tmp_path / "two_ranks", *settings, "batch_size=2")
+
+    reference = runs.pop("single")
+    assert [r["step"] for r in reference] == [1, 2, 3]
+    assert reference[0]["grad_norm"] > 0 and reference[2]["loss"] != reference[0]["loss"]
+    for name, rows in runs.items():
+        assert [r["num_tokens"] for r in rows] == [r["num_tokens"] for r in reference], name
+        for got, want in zip(rows, reference):
+            for key in ("loss", "grad_norm"):
+                assert got[key] == pytest.approx(want[key], rel=1e-5), (name, got["step"], key)

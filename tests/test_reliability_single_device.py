@@ -98,21 +98,26 @@ def test_partial_window_at_epoch_end(tiny_run):
     assert rows[-1]["lr"] == pytest.approx(0.5 * (1 + torch.cos(torch.tensor(torch.pi * 2 / 3)).item()) * 1e-3)
 
 
-def test_nonfinite_loss_stops_with_step_and_checkpoint(tiny_run):
+def test_nonfinite_values_stop_and_never_recommend_a_later_checkpoint(tiny_run):
     config = tiny_run(batch_size=4, gradient_accumulation_steps=1, save_every_n_steps=1, clip_grad_norm=None,
-                      **{"optimizer._component_": "torch.optim.SGD", "optimizer.lr": 1e25,
-                         "optimizer.weight_decay": 0.0, "lr_scheduler": None})
-    proc = tune(config)
-    assert proc.returncode != 0
-    out = config.parent / "out"
-    last = max(int(p.name.split("_")[1]) for p in out.glob("step_*"))
-    assert f"non-finite values at optimizer step {last + 1}" in proc.stderr
-    assert f"Last good checkpoint: {out / f'step_{last}'}" in proc.stderr
+                      **{"optimizer._component_": "torch.optim.SGD", "optimizer.weight_decay": 0.0,
+                         "lr_scheduler": None})
+    # SGD at lr 1e25: step 1's update overflows the weights; caught before step_1 is saved.
+    proc = tune(config, "optimizer.lr=1e25")
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert "the update of optimizer step 1 made parameters non-finite" in proc.stderr
+    assert "Last checkpoint from before the damage: none (only the base model)" in proc.stderr
+    assert not list((config.parent / "out").glob("step_*"))
 
-    proc = tune(config, f"output_dir={config.parent / 'skip'}", "skip_nonfinite_steps=true")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = read_jsonl(config.parent / "skip/logs/metrics.jsonl")
-    assert rows[-1]["skipped_steps"] >= 1 and all("loss" not in r or r["loss"] == r["loss"] for r in rows)
+    # At lr 1e15 the weights stay finite (step_1 is saved) but step 2 is NaN. Skipping does not
+    # help when the parameters themselves are broken: 5 non-finite steps in a row stop the run.
+    out = config.parent / "skip"
+    proc = tune(config, "optimizer.lr=1e15", f"output_dir={out}", "skip_nonfinite_steps=true")
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert "non-finite values at optimizer step 6" in proc.stderr and "the 5th in a row (steps 2-6)" in proc.stderr
+    assert "Last checkpoint from before the damage: none (only the base model)" in proc.stderr
+    assert "not to be resumed from: step_1, step_2, step_3, step_4, step_5" in proc.stderr
+    assert [r["skipped_steps"] for r in read_jsonl(out / "logs/metrics.jsonl")] == [0, 1, 2, 3, 4]
 
 
 CONFIG_ERRORS = {
@@ -142,27 +147,49 @@ def test_config_errors_name_the_key(tiny_run, override):
         assert word in str(err.value)
 
 
-# One bad input per stage of start-up, through the command line: validation,
-# data loading, model loading. Each exits 2 with one line and leaves the
-# output folder as it was.
+# One bad input per stage of start-up, through the command line: the command
+# line itself, validation, components, data loading, the data pass, the base
+# checkpoint, model loading. Each exits 2 with one line and leaves the output
+# folder as it was (no .staging, no logs).
 @pytest.mark.parametrize("override,words", [
+    ("~model", ["'~model'", "component"]),
     ("gradient_accumulation_steps=-1", ["gradient_accumulation_steps", "positive integer"]),
+    ("optimizer.lr=-1", ["'optimizer'", "Invalid learning rate: -1"]),
     ("dataset.data_files=DATA", ["'dataset'", "could not load"]),
+    ("dataset.data_files=COLUMNS", ["'dataset'", "no column 'instruction'"]),
+    ("checkpointer.checkpoint_dir=TRUNCATED", ["checkpointer.checkpoint_dir", "model.safetensors"]),
     ("model.embed_dim=32", ["checkpointer.checkpoint_dir", "does not fit"]),
-], ids=["validation", "data", "model"])
+], ids=["command-line", "validation", "optimizer", "data", "columns", "truncated-weights", "model"])
 def test_bad_input_fails_cleanly_and_writes_nothing(tiny_run, override, words):
     config = tiny_run(gradient_accumulation_steps=2)
-    bad_data = config.parent / "bad.json"
-    bad_data.write_text("{not json")
-    out = config.parent / "out"
+    root = config.parent
+    (root / "bad.json").write_text("{not json")
+    (root / "columns.json").write_text(json.dumps([{"prompt": "a", "answer": "b"}] * 4))
+    shutil.copytree(root / "ckpt", root / "truncated")
+    weights = root / "truncated" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    out = root / "out"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
-    proc = tune(config, override.replace("DATA", str(bad_data)))
+    override = override.replace("DATA", str(root / "bad.json")).replace("COLUMNS", str(root / "columns.json"))
+    proc = tune(config, override.replace("TRUNCATED", str(root / "truncated")))
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+    assert len([line for line in proc.stderr.splitlines() if line.startswith("error:")]) == 1
     for word in words:
         assert word in proc.stderr, (word, proc.stderr[-1000:])
     assert sorted(os.listdir(out)) == ["notes.txt"]
+
+
+def test_broken_config_file_is_one_line_with_its_line_number(tiny_run):
+    config = tiny_run()
+    text = config.read_text().replace("batch_size: 2", "batch_size: [2")
+    config.write_text(text)
+    line = text.splitlines().index("batch_size: [2") + 1
+    proc = tune(config)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert f"error: --config '{config}', line {line + 1}" in proc.stderr, proc.stderr[-1000:]
+    assert not (config.parent / "out").exists()
 
 
 @pytest.mark.parametrize("content", ["{not json", "[]"], ids=["unparseable", "empty"])

@@ -11,7 +11,7 @@ from helpers import (
     tiny_model, windows,
 )
 from torchtune_ext.loss import SummedCrossEntropyLoss
-from torchtune_ext.step import NonFiniteError, forward_backward, grad_norm_and_clip, train_step
+from torchtune_ext.step import NonFiniteError, StepHealth, forward_backward, grad_norm_and_clip, train_step
 
 CPU = torch.device("cpu")
 TOL = 1e-5
@@ -165,7 +165,7 @@ def test_nonfinite_raises_or_skips():
     with pytest.raises(NonFiniteError, match="step 12"):
         train_step(model, opt, loss_fn, micro, device=CPU, step=12)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    r = train_step(model, opt, loss_fn, micro, device=CPU, skip_nonfinite_steps=True)
+    r = train_step(model, opt, loss_fn, micro, device=CPU, health=StepHealth(skip_nonfinite_steps=True))
     assert r.skipped == "non-finite"
     for n, p in model.named_parameters():
         assert torch.equal(p, before[n]) or torch.isnan(before[n]).any()

@@ -10,9 +10,16 @@ This module installs a meta-path finder, from a ``.pth`` file shipped with our
 package, that resolves the top-level name ``recipes`` to ``./recipes`` when the
 current working directory holds a ``recipes/__init__.py``. It touches no other
 module name and changes nothing when there is no local ``recipes`` package.
+
+It also installs :class:`TuneLauncherHook`: in the ``tune`` command, when
+torchtune's ``tune run`` module is imported, its torchrun entry point is
+wrapped by :func:`torchtune_ext.launch.quiet_reported_failures`, so that a
+distributed recipe that stopped on bad input exits with its one line and
+status 2 instead of torchrun's ``ChildFailedError`` traceback.
 """
 
 import importlib.abc
+import importlib.machinery
 import importlib.util
 import os
 import sys
@@ -32,7 +39,34 @@ class LocalRecipesFinder(importlib.abc.MetaPathFinder):
         )
 
 
+class TuneLauncherHook(importlib.abc.MetaPathFinder):
+    """After ``torchtune._cli.run`` is imported, wrap its ``run`` (torchrun's launcher)."""
+
+    MODULE = "torchtune._cli.run"
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != self.MODULE:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or not hasattr(spec.loader, "exec_module"):
+            return None
+        exec_module = spec.loader.exec_module
+
+        def exec_and_wrap(module):
+            exec_module(module)
+            try:
+                from torchtune_ext.launch import quiet_reported_failures
+
+                module.run = quiet_reported_failures(module.run)
+            except Exception:  # never break `tune` itself: torchrun then reports failures as usual
+                pass
+
+        spec.loader.exec_module = exec_and_wrap
+        return spec
+
+
 def install() -> None:
-    """Put the finder first on ``sys.meta_path`` (idempotent)."""
-    if not any(isinstance(f, LocalRecipesFinder) for f in sys.meta_path):
-        sys.meta_path.insert(0, LocalRecipesFinder())
+    """Put the finders first on ``sys.meta_path`` (idempotent)."""
+    for finder in (LocalRecipesFinder, TuneLauncherHook):
+        if not any(isinstance(f, finder) for f in sys.meta_path):
+            sys.meta_path.insert(0, finder())

@@ -22,6 +22,7 @@ the adapter (and is absent with ``save_adapter_weights_only``).
 """
 
 import json
+import logging
 import os
 import random
 import re
@@ -46,6 +47,8 @@ RECIPE_STATE = "recipe_state.pt"
 ADAPTER_WEIGHTS = "adapter_model.pt"
 STAGING = ".staging"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -91,15 +94,6 @@ class Progress:
         self.samples_in_epoch = 0
 
 
-def nonfinite_error(err: Exception, output_dir: str) -> RuntimeError:
-    """The error a recipe raises for a non-finite step: what, where, and how to go on."""
-    last = latest_checkpoint(output_dir)
-    return RuntimeError(
-        f"{err}. Last good checkpoint: {last or 'none (only the base model)'}. Resume with "
-        "resume_from_checkpoint=true, or set skip_nonfinite_steps=true to skip such steps."
-    )
-
-
 def rng_state() -> Dict[str, Any]:
     """RNG states of Python, NumPy, torch CPU and (if present) CUDA."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
@@ -130,6 +124,37 @@ def list_checkpoints(output_dir: str) -> List[Path]:
     return [path for _, path in sorted(found)]
 
 
+def incomplete_checkpoints(output_dir: str) -> List[Path]:
+    """``step_<N>`` folders under ``output_dir`` without a manifest, oldest first.
+
+    A save renames a complete folder into place, so these were not written
+    by a save of this project (a copy, a partial delete). They are never
+    resumed from, pruned or written into.
+    """
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), c) for c in root.iterdir()
+             if (m := _STEP_DIR.match(c.name)) and c.is_dir() and not (c / MANIFEST).is_file()]
+    return [path for _, path in sorted(found)]
+
+
+def _step_of(path: Path) -> int:
+    return int(_STEP_DIR.match(path.name).group(1))
+
+
+def intact_before(path: Path) -> str:
+    """A sentence for errors about checkpoint ``path``: the newest earlier checkpoint that is intact, if any."""
+    for earlier in reversed(list_checkpoints(str(path.parent))):
+        if _step_of(earlier) >= _step_of(path):
+            continue
+        if _read_manifest(earlier)[1] is not None:
+            continue
+        return (f" The previous checkpoint '{earlier}' is intact: move '{path.name}' out of the output_dir to "
+                "resume from it.")
+    return " No earlier checkpoint of this run is intact."
+
+
 def verify_checkpoint(path: Path) -> Dict[str, Any]:
     """Check a checkpoint folder against its manifest.
 
@@ -138,22 +163,30 @@ def verify_checkpoint(path: Path) -> Dict[str, Any]:
 
     Raises:
         ConfigError: (key ``resume_from_checkpoint``) if the manifest is
-            missing or unreadable, or a listed file is missing or has another size.
+            missing or unreadable, or a listed file is missing or has another
+            size; the message says whether an earlier checkpoint is intact.
     """
+    manifest, problem = _read_manifest(path)
+    if problem:
+        raise ConfigError("resume_from_checkpoint", problem + "." + intact_before(path))
+    return manifest
+
+
+def _read_manifest(path: Path):
+    """(manifest, None) if ``path`` matches its manifest, else (None, what is wrong)."""
     try:
         manifest = json.loads((path / MANIFEST).read_text())
-    except (OSError, ValueError) as err:
-        raise ConfigError("resume_from_checkpoint", f"checkpoint '{path}' has no readable {MANIFEST}: {err}")
-    for name, size in manifest["files"].items():
+        files = dict(manifest["files"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return None, f"checkpoint '{path}' has no readable {MANIFEST}: {err}"
+    for name, size in files.items():
         file = path / name
         if not file.is_file():
-            raise ConfigError("resume_from_checkpoint", f"checkpoint '{path}' is missing '{name}'")
+            return None, f"checkpoint '{path}' is missing '{name}'"
         if file.stat().st_size != size:
-            raise ConfigError(
-                "resume_from_checkpoint",
-                f"checkpoint '{path}': '{name}' has {file.stat().st_size} bytes, manifest says {size}",
-            )
-    return manifest
+            return None, (f"checkpoint '{path}': '{name}' has {file.stat().st_size} bytes, manifest says {size} "
+                          "(truncated or replaced)")
+    return manifest, None
 
 
 def latest_checkpoint(output_dir: str) -> Optional[Path]:
@@ -223,12 +256,20 @@ class CheckpointManager:
                 overrides["checkpoint_files"] = sorted(
                     n for n in manifest["files"] if n.endswith(".safetensors") and not n.startswith("adapter")
                 )
-        self._checkpointer = tt_config.instantiate(self._cfg, **overrides)
-        state = self._checkpointer.load_checkpoint()
+        source = Path(overrides.get("checkpoint_dir", self._cfg.get("checkpoint_dir", "")))
+        try:
+            self._checkpointer = tt_config.instantiate(self._cfg, **overrides)
+            state = self._checkpointer.load_checkpoint()
+        except Exception as err:
+            raise _unreadable(source, err, resume_from is not None and not adapter) from err
         if adapter and resume_from is not None:
-            state[training.ADAPTER_KEY] = torch.load(
-                resume_from / ADAPTER_WEIGHTS, map_location="cpu", weights_only=True
-            )
+            try:
+                state[training.ADAPTER_KEY] = torch.load(
+                    resume_from / ADAPTER_WEIGHTS, map_location="cpu", weights_only=True
+                )
+            except Exception as err:
+                raise ConfigError("resume_from_checkpoint", f"'{resume_from / ADAPTER_WEIGHTS}' cannot be read "
+                                  f"({_short(err)}).{intact_before(resume_from)}") from err
         return state
 
     def save(self, state_dict: Dict[str, Any], progress: Progress, recipe_state: Dict[str, Any],
@@ -251,6 +292,12 @@ class CheckpointManager:
         if (final / MANIFEST).is_file():
             return final  # this step is saved already (end of epoch right after a periodic save)
         if _is_rank_zero():
+            if final.exists():  # not written by a save (no manifest): keep it, under another name
+                aside = final.with_name(f"{final.name}.incomplete")
+                while aside.exists():
+                    aside = aside.with_name(aside.name + "+")
+                os.replace(final, aside)
+                log.warning("'%s' was not a complete checkpoint (no %s); it is kept as '%s'.", final, MANIFEST, aside)
             if self.staging.exists():
                 shutil.rmtree(self.staging)  # left by an interrupted save
             # torchtune's checkpointer names its folder after the epoch argument
@@ -275,6 +322,34 @@ class CheckpointManager:
             shutil.rmtree(old)
 
 
+def _short(err: BaseException) -> str:
+    """``Type: message`` on one line, with the cause's message (torchtune wraps the reader's error)."""
+    text = f"{type(err).__name__}: {' '.join(str(err).split())}"
+    cause = err.__cause__ or err.__context__
+    if cause is not None and str(cause) and str(cause) not in text:
+        text += f" ({type(cause).__name__}: {' '.join(str(cause).split())})"
+    return text
+
+
+def _unreadable(folder: Path, err: BaseException, resuming: bool) -> ConfigError:
+    """The error for a checkpoint folder the torchtune checkpointer could not load."""
+    detail = _short(err)
+    if isinstance(err, RuntimeError) and "shape" in str(err) and "is invalid for input of size" in str(err):
+        # convert_weights reshapes q/k by the head counts of config.json
+        try:
+            hf = json.loads((folder / "config.json").read_text())
+        except (OSError, ValueError):
+            hf = {}
+        dims = ", ".join(f"{k}={hf[k]}" for k in ("num_attention_heads", "num_key_value_heads", "hidden_size",
+                                                    "head_dim") if k in hf)
+        detail = (f"the weights do not fit '{folder / 'config.json'}' ({dims}): {detail}. config.json must "
+                  "describe the checkpoint's architecture")
+    elif resuming:
+        return ConfigError("resume_from_checkpoint", f"checkpoint '{folder}' cannot be loaded: {detail}."
+                           + intact_before(folder))
+    return ConfigError("checkpointer.checkpoint_dir", f"cannot load the checkpoint in '{folder}': {detail}")
+
+
 def load_recipe_state(path: Path) -> Dict[str, Any]:
     """Verify a checkpoint folder and load its ``recipe_state.pt``.
 
@@ -291,8 +366,12 @@ def load_recipe_state(path: Path) -> Dict[str, Any]:
         ConfigError: if the folder does not match its manifest.
     """
     verify_checkpoint(path)
-    state = torch.load(path / RECIPE_STATE, map_location="cpu", weights_only=False)
-    state["progress"] = Progress(**state["progress"])
+    try:
+        state = torch.load(path / RECIPE_STATE, map_location="cpu", weights_only=False)
+        state["progress"] = Progress(**state["progress"])
+    except Exception as err:
+        raise ConfigError("resume_from_checkpoint", f"'{path / RECIPE_STATE}' cannot be read ({_short(err)})."
+                          + intact_before(path)) from err
     return state
 
 

@@ -3,18 +3,17 @@
 A recipe calls :func:`validate` on the parsed OmegaConf config before it
 builds anything. ``validate`` fills in defaults, checks types and ranges,
 checks that input files exist, and raises :class:`ConfigError` naming the
-offending key and what is expected. :func:`exit_on_user_error` turns such
-expected mistakes into one clear line on stderr and exit status 2, without a
-traceback and before anything is written.
+offending key and what is expected.
+:func:`torchtune_ext.launch.exit_on_user_error` turns such expected mistakes
+into one clear line on stderr and exit status 2, without a traceback and
+before anything is written.
 """
 
 import contextlib
 import difflib
-import functools
 import logging
 import os
 import shutil
-import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple
 
@@ -25,7 +24,16 @@ log = logging.getLogger(__name__)
 DOWNLOAD_COMMAND = "python -m torchtune_ext.download"
 
 
-class ConfigError(ValueError):
+class UserError(ValueError):
+    """An expected mistake in the command line, the config or an input file.
+
+    The recipes print it as one line and exit with status 2
+    (:func:`torchtune_ext.launch.exit_on_user_error`); the message says what
+    is wrong and how to fix it.
+    """
+
+
+class ConfigError(UserError):
     """A config value is missing, of the wrong type or out of range.
 
     Args:
@@ -144,6 +152,10 @@ COMMON_KEYS: Dict[str, Key] = {
     "model": Key(_NO_DEFAULT, _component, required=True),
     "tokenizer": Key(_NO_DEFAULT, _component, required=True),
     "dataset": Key(_NO_DEFAULT, _dataset, required=True),
+    # Samples with no trainable token (an answer cut away at tokenizer.max_seq_len)
+    # or with replacement characters (undecodable bytes): report them, or stop
+    # before training (torchtune_ext.data_check).
+    "data_errors": Key("warn", _one_of("warn", "error")),
     "checkpointer": Key(_NO_DEFAULT, _component, required=True),
     "optimizer": Key(_NO_DEFAULT, _component, required=True),
     "lr_scheduler": Key(None, _optional_component),
@@ -185,6 +197,9 @@ COMMON_KEYS: Dict[str, Key] = {
     "save_final_checkpoint": Key(True, _boolean),
     "keep_last_n_checkpoints": Key(None, _optional_positive_int),
     "skip_nonfinite_steps": Key(False, _boolean),
+    # A step whose loss is this many nats per token above the highest loss of the
+    # last 32 healthy steps is a spike; two in a row stop the run (torchtune_ext.health).
+    "loss_spike_nats": Key(3.0, _optional_positive_float),
     "optimizer_in_bwd": Key(False, _boolean),
     "log_every_n_steps": Key(1, _positive_int),
     "log_level": Key("INFO", _one_of("DEBUG", "INFO", "WARNING", "ERROR")),
@@ -372,13 +387,21 @@ def _check_combinations(cfg: DictConfig, training: bool = True) -> None:
     if not training:
         return
     if cfg.resume_from_checkpoint:
-        from torchtune_ext.checkpoint import latest_checkpoint
+        from torchtune_ext.checkpoint import incomplete_checkpoints, latest_checkpoint
 
-        if latest_checkpoint(cfg.output_dir) is None:
+        latest = latest_checkpoint(cfg.output_dir)
+        if latest is None:
             raise ConfigError(
                 "resume_from_checkpoint",
                 f"no complete checkpoint (step_<N>/ with checkpoint.json) in output_dir '{cfg.output_dir}'",
             )
+        for folder in incomplete_checkpoints(cfg.output_dir):
+            # A later save of that step would collide with it; an earlier one is merely ignored.
+            if int(folder.name.split("_")[1]) > int(latest.name.split("_")[1]):
+                raise ConfigError("output_dir", f"'{folder}' has no checkpoint.json, so it is not a complete "
+                                  f"checkpoint and this run would later save over it; move it out of "
+                                  f"'{cfg.output_dir}' (resuming continues from '{latest}')")
+            log.warning("'%s' has no checkpoint.json: not a complete checkpoint, ignored.", folder)
     elif any(name.startswith("step_") for name in _listdir(cfg.output_dir)):
         raise ConfigError(
             "output_dir",
@@ -446,34 +469,21 @@ def validate(cfg: DictConfig, extra_keys: Optional[Dict[str, Key]] = None,
     return cfg
 
 
-def exit_on_user_error(recipe_main: Callable[[DictConfig], Any]) -> Callable[[DictConfig], Any]:
-    """Print expected user errors as one line and exit 2, without a traceback."""
-
-    @functools.wraps(recipe_main)
-    def wrapper(cfg: DictConfig) -> Any:
-        try:
-            return recipe_main(cfg)
-        except ConfigError as err:
-            print(f"error: {err}", file=sys.stderr)
-            sys.exit(2)
-
-    return wrapper
-
-
 @contextlib.contextmanager
 def output_dir_unchanged_on_error(path: str) -> Iterator[None]:
-    """Undo what setup created in ``output_dir`` if it fails on bad input.
+    """Undo what setup created in ``output_dir`` if setup fails.
 
-    On a :class:`ConfigError` inside the block, entries of ``path`` that did
-    not exist before are removed (and ``path`` itself, if it was created);
-    entries that existed before are never touched. Use it around a recipe's
-    ``setup()`` only: training writes are never rolled back.
+    On any exception inside the block (bad input, or a crash while loading),
+    entries of ``path`` that did not exist before are removed (and ``path``
+    itself, if it was created): the staging folder the checkpointer creates,
+    a new ``logs/``. Entries that existed before are never touched. Use it
+    around a recipe's ``setup()`` only: training writes are never rolled back.
     """
     existed = os.path.isdir(path)
     before = set(os.listdir(path)) if existed else set()
     try:
         yield
-    except ConfigError:
+    except BaseException:
         if not existed:
             shutil.rmtree(path, ignore_errors=True)
         elif os.path.isdir(path):

@@ -38,6 +38,8 @@ from torchtune import config as tt_config
 from torchtune.data import padded_collate_packed, padded_collate_sft
 
 from torchtune_ext.config import ConfigError
+from torchtune_ext.data_check import act_on_reports, check_dataset, explain_unreadable
+from torchtune_ext.loss import CROSS_ENTROPY_IGNORE_INDEX
 
 Sample = Dict[str, Any]
 # plan[rank][micro_batch] -> sample indices; an empty micro-batch is a label-masked stand-in
@@ -80,8 +82,13 @@ def collate_packed(batch: List[Sample]) -> Dict[str, torch.Tensor]:
     return out
 
 
-def build_dataset(cfg_dataset: Any, tokenizer: Any, key: str = "dataset") -> Tuple[Dataset, bool]:
-    """Instantiate a dataset config (one dataset or a list, concatenated).
+def build_dataset(cfg_dataset: Any, tokenizer: Any, key: str = "dataset", *,
+                  ignore_index: int = CROSS_ENTROPY_IGNORE_INDEX, data_errors: str = "warn") -> Tuple[Dataset, bool]:
+    """Instantiate a dataset config (one dataset or a list, concatenated) and check every sample once.
+
+    Each configured dataset goes through :func:`torchtune_ext.data_check.check_dataset`:
+    samples with no trainable token or with replacement characters are
+    reported (``data_errors="warn"``) or refused (``"error"``).
 
     Args:
         key: the config key it came from (``dataset``, ``dataset_val``), for errors.
@@ -90,21 +97,24 @@ def build_dataset(cfg_dataset: Any, tokenizer: Any, key: str = "dataset") -> Tup
         (dataset, packed)
 
     Raises:
-        ConfigError: if a dataset cannot be loaded, yields no sample, or packed
-            and unpacked datasets are mixed.
+        ConfigError: if a dataset cannot be loaded, has a record that cannot be
+            read (e.g. a missing column), yields no sample, mixes packed and
+            unpacked datasets, or has data errors with ``data_errors="error"``.
     """
     cfgs = list(cfg_dataset) if isinstance(cfg_dataset, (list, ListConfig)) else [cfg_dataset]
     packed = {bool(c.get("packed", False)) for c in cfgs}
     if len(packed) > 1:
         raise ConfigError(key, "packed and unpacked datasets cannot be mixed")
-    datasets = []
+    datasets, reports = [], []
     for i, c in enumerate(cfgs):
+        item = key if len(cfgs) == 1 else f"{key}[{i}]"
         try:
             datasets.append(tt_config.instantiate(c, tokenizer))
         except Exception as err:  # the datasets library raises many types for unreadable files
-            item = key if len(cfgs) == 1 else f"{key}[{i}]"
-            source = c.get("data_files") or c.get("source")
-            raise ConfigError(item, f"could not load '{source}': {type(err).__name__}: {err}") from err
+            raise explain_unreadable(err, item, c) from err
+        reports.append(check_dataset(datasets[-1], c, item, ignore_index=ignore_index,
+                                     max_seq_len=getattr(tokenizer, "max_seq_len", None)))
+    act_on_reports(reports, data_errors)
     dataset = datasets[0] if len(datasets) == 1 else ConcatDataset(datasets)
     if len(dataset) == 0:
         raise ConfigError(key, "the dataset yields zero samples")
@@ -378,14 +388,14 @@ def build_step_loader(cfg: Any, tokenizer: Any, *, seed: int, ignore_index: int,
                       dp_rank: int = 0, dp_world_size: int = 1) -> StepLoader:
     """The training :class:`StepLoader` of a validated recipe config.
 
-    Reads ``dataset``, ``batch_size``, ``gradient_accumulation_steps``,
+    Reads ``dataset``, ``data_errors``, ``batch_size``, ``gradient_accumulation_steps``,
     ``shuffle``, ``group_by_length``, ``max_tokens_per_micro_batch`` and
     ``max_steps_per_epoch``.
 
     Raises:
         ConfigError: as :func:`build_dataset` and :class:`StepLoader`.
     """
-    dataset, packed = build_dataset(cfg.dataset, tokenizer)
+    dataset, packed = build_dataset(cfg.dataset, tokenizer, ignore_index=ignore_index, data_errors=cfg.data_errors)
     return StepLoader(
         dataset, make_collate(packed, tokenizer.pad_id, ignore_index), batch_size=cfg.batch_size,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps, seed=seed, shuffle=cfg.shuffle,

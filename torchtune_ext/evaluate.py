@@ -162,7 +162,7 @@ def build_eval_loader(cfg: DictConfig, tokenizer: Any, key: str, *, ignore_index
                       dp_rank: int = 0, dp_world_size: int = 1) -> StepLoader:
     """A loader for one evaluation pass over the dataset of config key ``key``.
 
-    Reads ``batch_size_val`` (samples per micro-batch per rank),
+    Reads ``batch_size_val`` (samples per micro-batch per rank), ``data_errors``,
     ``max_val_samples`` (the first N samples in dataset order: the same samples
     whatever the batch size or number of ranks), ``group_by_length`` and
     ``max_tokens_per_micro_batch``. No shuffling: every pass sees the same samples.
@@ -170,7 +170,8 @@ def build_eval_loader(cfg: DictConfig, tokenizer: Any, key: str, *, ignore_index
     Raises:
         ConfigError: (naming ``key``) as :func:`torchtune_ext.data.build_dataset`.
     """
-    dataset, packed = build_dataset(cfg[key], tokenizer, key=key)
+    dataset, packed = build_dataset(cfg[key], tokenizer, key=key, ignore_index=ignore_index,
+                                    data_errors=cfg.data_errors)
     if cfg.max_val_samples is not None and cfg.max_val_samples < len(dataset):
         dataset = Subset(dataset, range(cfg.max_val_samples))
     return StepLoader(

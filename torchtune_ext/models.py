@@ -12,6 +12,8 @@ handling and checkpoint key names (model type ``LLAMA3_2``).
 
 from __future__ import annotations
 
+import torch
+from torch import nn
 from torchtune.models.llama3_2._component_builders import llama3_2, lora_llama3_2
 from torchtune.modules import TransformerDecoder
 from torchtune.modules.peft import LORA_ATTN_MODULES
@@ -92,6 +94,46 @@ def lora_smollm2_135m(
         max_seq_len=max_seq_len,
         **_SMOLLM2_135M,
     )
+
+
+def initialize_adapters(model: nn.Module, seed: int) -> None:
+    """Initialize every LoRA/DoRA adapter of ``model`` from ``seed`` alone, on CPU.
+
+    torchtune's builders initialize adapters from the global random stream,
+    after the base weights drew from it, on the device the model is built on.
+    The values would then depend on the recipe (a model built on the meta
+    device draws nothing for its base weights), on the device (CUDA and CPU
+    generators differ) and on the world size. Here each adapter module
+    (anything with ``adapter_params`` and ``initialize_parameters``: LoRA and
+    DoRA linears) is re-initialized in ``model.modules()`` order on CPU from
+    a generator seeded with ``seed``, then moved back to the device it was
+    on (adapters of a model on the meta device stay on CPU, ready for
+    sharding). So every recipe, device and world size starts from the same
+    adapter. The global random state is left untouched.
+
+    Call it right after building the model, before collecting its adapter
+    parameters: on the meta device the parameters are replaced. DoRA
+    magnitudes are not set here; they come from the loaded base weights
+    (``initialize_dora_magnitude``).
+
+    Args:
+        model: a torchtune model with LoRA/DoRA modules (on any device, or meta).
+        seed: the run's seed.
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for module in model.modules():
+            if not (hasattr(module, "adapter_params") and hasattr(module, "initialize_parameters")):
+                continue
+            device = module.lora_a.weight.device
+            module.to_empty(device="cpu")  # torchtune's LoRA/DoRA override: the adapter only, not the base weight
+            module.initialize_parameters()
+            if device.type not in ("cpu", "meta"):
+                values = {name: module.get_parameter(name).detach().clone() for name in module.adapter_params()}
+                module.to_empty(device=device)
+                with torch.no_grad():
+                    for name, value in values.items():
+                        module.get_parameter(name).copy_(value)
 
 
 def tiny_llama(

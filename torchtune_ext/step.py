@@ -10,8 +10,9 @@ Order of work, the same in both backward modes:
    ``summed_loss / global_num_tokens`` -- normalized before backward, so no
    gradient ever holds an unnormalized sum and none is rescaled afterwards;
 4. sum the loss and the token metrics over ranks (one small all-reduce);
-5. global gradient norm (before clipping), optional clipping, non-finite
-   check, optimizer step.
+5. global gradient norm (before clipping), optional clipping, health checks
+   (:mod:`torchtune_ext.health`: non-finite values, a zero gradient, loss
+   spikes), optimizer step, a check that the parameters are still finite.
 
 ``backward_once_per_step=True`` keeps the graphs of all micro-batches and
 calls backward once on the accumulated sum; ``False`` calls backward after
@@ -26,7 +27,6 @@ to 1 so that FSDP sums instead of averaging.
 """
 
 import logging
-import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -36,21 +36,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from torchtune_ext.accounting import TokenTally, TokenTotals
+from torchtune_ext.health import NonFiniteError, StepHealth, TrainingHealthError  # noqa: F401 (re-exported)
 from torchtune_ext.loss import SummedCrossEntropyLoss, TokenSums, shift_labels
 
 log = logging.getLogger(__name__)
 
 MicroBatch = Dict[str, Any]
-
-
-class NonFiniteError(RuntimeError):
-    """The loss or the gradient norm of an optimizer step is NaN or infinite."""
-
-    def __init__(self, step: int, loss: float, grad_norm: float):
-        self.step, self.loss, self.grad_norm = step, loss, grad_norm
-        super().__init__(
-            f"non-finite values at optimizer step {step}: loss={loss}, grad_norm={grad_norm}"
-        )
 
 
 @dataclass
@@ -264,7 +255,7 @@ def train_step(
     device: torch.device,
     backward_once_per_step: bool = True,
     clip_grad_norm: Optional[float] = None,
-    skip_nonfinite_steps: bool = False,
+    health: Optional[StepHealth] = None,
     step: int = 0,
     dp_group=None,
 ) -> StepResult:
@@ -277,17 +268,23 @@ def train_step(
     Args:
         step (int): 1-based optimizer step number, for messages.
         clip_grad_norm (float, optional): max total gradient norm; None: no clipping.
-        skip_nonfinite_steps (bool): skip a step whose loss or gradient norm is
-            NaN/inf instead of raising.
+        health (StepHealth, optional): the run's health checks
+            (:class:`torchtune_ext.health.StepHealth`, which keeps a loss
+            history and decides about non-finite steps); None: a fresh one
+            that stops at any sign.
         Other arguments as in :func:`forward_backward`.
 
     Returns:
         StepResult
 
     Raises:
-        NonFiniteError: non-finite loss or gradient norm and
-            ``skip_nonfinite_steps`` is False. Parameters are left unchanged.
+        NonFiniteError: non-finite loss or gradient norm, not skipped.
+            Parameters are left unchanged.
+        TrainingHealthError: a zero gradient with trainable tokens, a second
+            loss spike in a row (parameters unchanged), or parameters that
+            became non-finite in this step's update.
     """
+    health = health if health is not None else StepHealth(start_step=max(step - 1, 0))
     totals = forward_backward(
         model, loss_fn, micro_batches, device=device,
         backward_once_per_step=backward_once_per_step, dp_group=dp_group,
@@ -295,6 +292,7 @@ def train_step(
     num_tokens, local_num_tokens = totals.num_tokens, totals.local_num_tokens
     if num_tokens == 0:
         optimizer.zero_grad(set_to_none=True)
+        health.empty(step)
         log.warning("Optimizer step %d skipped: no trainable token in any of its micro-batches.", step)
         return StepResult(None, 0, 0, None, skipped="empty")
 
@@ -302,13 +300,16 @@ def train_step(
     loss = means.pop("loss")
     params = [p for group in optimizer.param_groups for p in group["params"]]
     grad_norm = grad_norm_and_clip(params, clip_grad_norm).item()
-    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+    try:
+        skip = health.before_update(step, loss, grad_norm, num_tokens)
+    except TrainingHealthError:
+        optimizer.zero_grad(set_to_none=True)  # nothing updated; the caller may go on with other data
+        raise
+    if skip:
         optimizer.zero_grad(set_to_none=True)
-        if not skip_nonfinite_steps:
-            raise NonFiniteError(step, loss, grad_norm)
-        log.warning("Optimizer step %d skipped: loss=%s grad_norm=%s", step, loss, grad_norm)
         return StepResult(loss, num_tokens, local_num_tokens, grad_norm, skipped="non-finite", metrics=means)
 
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    health.after_update(step, params, loss, grad_norm)
     return StepResult(loss, num_tokens, local_num_tokens, grad_norm, metrics=means)

@@ -1,0 +1,262 @@
+"""Bad input found before anything heavy runs, as one ConfigError/UserError naming the key or file."""
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from torchtune_ext.checkpoint import CheckpointManager
+from torchtune_ext.config import ConfigError, UserError, validate
+from torchtune_ext.data import build_dataset
+from torchtune_ext.launch import check_command_line
+from torchtune_ext.preflight import check_components
+
+IGNORE = -100
+
+CPU = torch.device("cpu")
+
+
+# ----------------------------------------------------------------- command line
+@pytest.fixture
+def yaml_file(tmp_path):
+    def write(text):
+        path = tmp_path / "c.yaml"
+        path.write_text(text)
+        return str(path)
+
+    return write
+
+
+def test_yaml_syntax_error_names_file_line_and_column(yaml_file):
+    path = yaml_file("batch_size: 2\noptimizer:\n  lr: [1, 2\nepochs: 1\n")
+    with pytest.raises(UserError, match=f"--config '{path}', line 4, column 7: .*expected ',' or ']'"):
+        check_command_line(["--config", path])
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--config", "/nonexistent.yaml"], ["'/nonexistent.yaml' does not exist"]),
+    (["--config", "FILE", "~model"], ["'~model'", "component", "cannot remove"]),
+    (["--config", "FILE", "~nothing"], ["'~nothing'", "not a key"]),
+    (["--config", "FILE", "batch_size"], ["'batch_size'", "expected key=value"]),
+    (["--config", "FILE", "--batch_size=3"], ["'--batch_size=3'", "only --config"]),
+], ids=["missing", "remove-component", "remove-unknown", "no-value", "flag"])
+def test_command_line_mistakes(yaml_file, argv, words):
+    path = yaml_file("model:\n  _component_: torchtune_ext.models.tiny_llama\nbatch_size: 2\n")
+    with pytest.raises(UserError) as err:
+        check_command_line([path if a == "FILE" else a for a in argv])
+    for word in words:
+        assert word in str(err.value)
+    check_command_line(["--config", path, "batch_size=3", "~batch_size", "model.embed_dim=32"])  # all fine
+
+
+# ------------------------------------------------------------------- components
+@pytest.fixture
+def tiny_cfg(tiny_run):
+    return lambda *overrides: validate(OmegaConf.merge(OmegaConf.load(tiny_run()), OmegaConf.from_dotlist(overrides)))
+
+
+@pytest.mark.parametrize("override,key,words", [
+    ("optimizer.lr=-1", "optimizer", ["torch.optim.AdamW", "Invalid learning rate: -1"]),
+    ("optimizer.lr=abc", "optimizer.lr", ["expects a number", "'abc'"]),
+    ("optimizer.betaz=[0.9,0.9]", "optimizer.betaz", ["not an argument of torch.optim.AdamW", "'betas'"]),
+    ("lr_scheduler.num_warmup_steps=abc", "lr_scheduler.num_warmup_steps", ["expects a number"]),
+    ("model._component_=torchtune_ext.models.no_such_model", "model._component_",
+     ["'torchtune_ext.models' has no attribute 'no_such_model'"]),
+    ("tokenizer._component_=no_such_package.tok", "tokenizer._component_", ["no module 'no_such_package'"]),
+    ("model.num_heads=3", "model", ["cannot build this model", "num_heads"]),
+], ids=["lr-negative", "lr-text", "unknown-arg", "warmup-text", "no-component", "no-package", "builder"])
+def test_components_are_checked_before_loading(tiny_cfg, override, key, words):
+    with pytest.raises(ConfigError) as err:
+        check_components(tiny_cfg(override), CPU)
+    assert str(err.value).startswith(f"config key '{key}'")
+    for word in words:
+        assert word in str(err.value)
+
+
+def test_a_good_config_passes(tiny_cfg):
+    check_components(tiny_cfg(), CPU)
+
+
+def test_adapter_on_a_tied_output_projection(tiny_cfg):
+    cfg = tiny_cfg()
+    cfg.model = {"_component_": "torchtune_ext.models.lora_tiny_llama", "lora_attn_modules": ["q_proj"],
+                 "apply_lora_to_mlp": False, "apply_lora_to_output": True, "lora_rank": 4, "lora_alpha": 8}
+    with pytest.raises(ConfigError, match="'model.apply_lora_to_output'.*token embedding \\(tied weights\\)") as err:
+        check_components(cfg, CPU)
+    assert "llama3.2" not in str(err.value)
+
+
+# ------------------------------------------------------------------ checkpoints
+def test_config_json_that_does_not_fit_the_weights(tiny_run):
+    cfg = OmegaConf.load(tiny_run())
+    ckpt = cfg.checkpointer.checkpoint_dir
+    hf = json.loads(open(f"{ckpt}/config.json").read())
+    hf["num_attention_heads"] = 8
+    open(f"{ckpt}/config.json", "w").write(json.dumps(hf))
+    manager = CheckpointManager(cfg.checkpointer, cfg.output_dir)
+    with pytest.raises(ConfigError, match=f"'checkpointer.checkpoint_dir'.*do not fit '{ckpt}/config.json' "
+                                          "\\(num_attention_heads=8, num_key_value_heads=2"):
+        manager.load()
+
+
+def test_truncated_base_weights_are_named(tiny_run):
+    cfg = OmegaConf.load(tiny_run())
+    weights = f"{cfg.checkpointer.checkpoint_dir}/model.safetensors"
+    data = open(weights, "rb").read()
+    open(weights, "wb").write(data[:len(data) // 2])
+    with pytest.raises(ConfigError, match=f"'checkpointer.checkpoint_dir'.*{weights}"):
+        CheckpointManager(cfg.checkpointer, cfg.output_dir).load()
+
+
+def test_resume_refuses_a_later_folder_without_manifest(tiny_run, caplog):
+    cfg = OmegaConf.load(tiny_run())
+    out = Path(cfg.output_dir)
+    for name in ("step_1", "step_2", "step_5"):
+        (out / name).mkdir(parents=True)
+    (out / "step_2" / "checkpoint.json").write_text(json.dumps({"step": 2, "files": {}}))  # the only complete one
+    cfg.resume_from_checkpoint = True
+    with pytest.raises(ConfigError, match="'output_dir'.*step_5' has no checkpoint.json.*save over it"):
+        validate(cfg)
+    (out / "step_5").rmdir()
+    with caplog.at_level(logging.WARNING):
+        validate(cfg)
+    assert "step_1' has no checkpoint.json" in caplog.text
+
+
+# ------------------------------------------------------------------------- data
+def records(tmp_path, rows, name="data.json"):
+    path = tmp_path / name
+    path.write_text(json.dumps(rows))
+    return path
+
+
+@pytest.fixture
+def data_cfg(tiny_run, tmp_path):
+    def make(rows):
+        cfg = OmegaConf.load(tiny_run())
+        cfg.dataset.data_files = str(records(tmp_path, rows))
+        from torchtune import config as tt_config
+
+        return cfg.dataset, tt_config.instantiate(cfg.tokenizer)  # max_seq_len 128
+
+    return make
+
+
+GOOD = {"instruction": "say yes", "input": "", "output": "yes"}
+
+
+def test_records_without_the_dataset_columns(data_cfg):
+    dataset_cfg, tokenizer = data_cfg([{"prompt": "a", "answer": "b"}] * 3)
+    with pytest.raises(ConfigError, match="record 0 of .* has no column 'instruction' \\(its columns: prompt, "
+                                          "answer\\).*dataset.column_map"):
+        build_dataset(dataset_cfg, tokenizer)
+
+
+def test_answers_cut_away_and_replacement_characters_are_counted(data_cfg, caplog):
+    long_prompt = dict(GOOD, instruction="word " * 200)  # the answer is cut away at max_seq_len
+    dataset_cfg, tokenizer = data_cfg([GOOD, long_prompt, GOOD, dict(GOOD, output="caf\ufffd"), long_prompt])
+    with caplog.at_level(logging.WARNING):
+        dataset, _ = build_dataset(dataset_cfg, tokenizer, data_errors="warn")
+    assert len(dataset) == 5
+    assert "2 samples whose answer is cut away entirely at tokenizer.max_seq_len=128" in caplog.text
+    assert "(first: sample 1)" in caplog.text
+    assert "1 sample with replacement characters (U+FFFD)" in caplog.text and "(first: sample 3)" in caplog.text
+    with pytest.raises(ConfigError, match="'dataset'.*2 samples whose answer is cut away.*set data_errors=warn"):
+        build_dataset(dataset_cfg, tokenizer, data_errors="error")
+
+
+def test_clean_data_passes_with_data_errors_error(data_cfg, caplog):
+    dataset_cfg, tokenizer = data_cfg([GOOD] * 3)
+    with caplog.at_level(logging.WARNING):
+        dataset, _ = build_dataset(dataset_cfg, tokenizer, data_errors="error")
+    assert len(dataset) == 3 and "Data check" not in caplog.text
+
+
+def test_invalid_utf8_names_the_line(tiny_run, tmp_path):
+    from torchtune import config as tt_config
+
+    cfg = OmegaConf.load(tiny_run())
+    lines = [json.dumps(GOOD).encode()] * 3
+    lines[2] = json.dumps(dict(GOOD, output="cafXX")).encode().replace(b"XX", b"\xe9")  # latin-1
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    cfg.dataset.data_files = str(path)
+    with pytest.raises(ConfigError, match=f"'{path}' is not valid UTF-8 \\(line 3, byte 0xE9\\)"):
+        build_dataset(cfg.dataset, tt_config.instantiate(cfg.tokenizer))
+
+
+# ---------------------------------------------------------------------- torchrun
+def child_failure(tmp_path, rank, exitcode, message=None):
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    error_file = tmp_path / f"error_{rank}.json"
+    if message is not None:
+        error_file.write_text(json.dumps({"message": message, "timestamp": 100 + rank}))
+    return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file=str(error_file))
+
+
+@pytest.mark.parametrize("failures,status,printed", [
+    ({0: (2, "error: bad"), 1: (2, "error: bad")}, 2, ""),  # rank 0 printed it
+    ({0: (-15, "error: bad"), 1: (2, "error: bad")}, 2, ""),  # rank 0 printed it, then torchrun stopped it
+    ({0: (-15, None), 1: (3, "error: training stopped: x")}, 3, "error: training stopped: x (rank 1)\n"),
+    ({0: (1, None), 1: (-15, None)}, None, ""),  # a crash: torchrun's own report
+], ids=["all-ranks", "rank0-then-stopped", "other-rank-only", "crash"])
+def test_launcher_exits_quietly_when_the_workers_reported(tmp_path, capsys, failures, status, printed):
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from torchtune_ext.launch import quiet_reported_failures
+
+    error = ChildFailedError("recipe", {r: child_failure(tmp_path, r, code, msg) for r, (code, msg) in failures.items()})
+
+    def run(args):
+        raise error
+
+    if status is None:
+        with pytest.raises(ChildFailedError):
+            quiet_reported_failures(run)(None)
+    else:
+        with pytest.raises(SystemExit) as exit_info:
+            quiet_reported_failures(run)(None)
+        assert exit_info.value.code == status
+    assert capsys.readouterr().err == printed
+
+
+def test_data_errors_key_reaches_the_data_pass(tiny_run, tmp_path):
+    from torchtune import config as tt_config
+
+    from torchtune_ext.data import build_step_loader
+
+    long_prompt = dict(GOOD, instruction="word " * 200)
+    cfg = OmegaConf.load(tiny_run())
+    cfg.dataset.data_files = str(records(tmp_path, [GOOD, long_prompt, GOOD]))
+    tokenizer = tt_config.instantiate(cfg.tokenizer)
+    assert len(build_step_loader(validate(cfg), tokenizer, seed=0, ignore_index=-100)) == 3  # default: warn
+    cfg.data_errors = "error"
+    with pytest.raises(ConfigError, match="'dataset'.*1 sample whose answer is cut away"):
+        build_step_loader(validate(cfg), tokenizer, seed=0, ignore_index=-100)
+    cfg.data_errors = "ignore"
+    with pytest.raises(ConfigError, match="'data_errors'.*warn, error"):
+        validate(cfg)
+
+
+def test_packed_documents_with_nothing_to_learn_are_counted_but_not_split_fragments():
+    from torchtune.datasets import PackedDataset
+
+    from helpers import instruct_samples
+    from torchtune_ext.data_check import check_dataset
+
+    samples = instruct_samples([3, 4, 5, 2], [5, 0, 6, 9])  # sample 1: prompt only, nothing to learn
+    report = check_dataset(PackedDataset(samples, max_seq_len=16, padding_idx=0), {"data_files": "x.json"},
+                           "dataset", ignore_index=IGNORE, max_seq_len=None)
+    assert (report.num_samples, report.num_tokens) == (4, 5 + 0 + 6 + 9)
+    assert report.problems() == ["1 document with no trainable token (all labels masked, e.g. an empty answer) "
+                                 "(first: document 1)"]
+    # Split across packs of 8, the second sample's first token ends the first pack: a fragment that
+    # trains nothing (its label is the prompt's), the packing's doing, not reported.
+    split = PackedDataset(instruct_samples([2, 2], [5, 4]), max_seq_len=8, padding_idx=0, split_across_pack=True)
+    assert [p["seq_lens"].tolist() for p in split.packs] == [[7, 1], [5, 3]]
+    report = check_dataset(split, {"data_files": "x.json"}, "dataset", ignore_index=IGNORE, max_seq_len=None)
+    assert (report.num_samples, report.problems()) == (2, [])

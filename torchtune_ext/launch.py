@@ -1,0 +1,216 @@
+"""How a recipe run ends on an expected error: one line, a documented exit status, once per job.
+
+Exit statuses of the recipes:
+
+* 0: trained to the end.
+* 2 (:data:`EXIT_USER_ERROR`): bad input -- the command line, the config file,
+  a config value, a data or checkpoint file. Found before training where
+  possible; the output folder is left as it was.
+* 3 (:data:`EXIT_TRAINING_FAILED`): training went bad and was stopped
+  (:mod:`torchtune_ext.health`: non-finite values, a gradient of zero, a
+  diverging loss, non-finite parameters), or the run ended with its last step
+  skipped as non-finite. The message names the last checkpoint from before
+  the damage.
+
+Anything else is a bug or a crash and keeps its traceback.
+
+The recipes' ``recipe_main`` is wrapped as::
+
+    @launch.exit_on_user_error
+    @config.parse
+    def recipe_main(cfg): ...
+
+so the wrapper sees the command line *before* torchtune's ``config.parse``
+reads it: a missing config file, a YAML syntax error (with its line and
+column), a flag other than ``--config`` or an override that torchtune cannot
+apply become one line here instead of a traceback from the parser.
+
+Under ``torchrun`` (``tune run --nproc_per_node N``) every rank meets the same
+bad input. Rank 0 prints the line; every rank also writes it to torchrun's
+per-worker error file (``TORCHELASTIC_ERROR_FILE``). In the launcher process
+(the ``tune`` command), :func:`quiet_reported_failures` wraps torchrun's
+``run``: when the first worker to fail exited with one of these statuses,
+the launcher exits with the same status without its ``ChildFailedError``
+report, printing the failing rank's line only when rank 0 did not print it.
+``torchtune_ext._local_recipes`` installs that wrapper when the ``tune``
+command imports ``torchtune._cli.run``.
+
+Module level imports stay in the standard library: the launcher imports this
+module at start-up.
+"""
+
+import functools
+import json
+import os
+import sys
+import time
+from typing import Any, Callable, List, Optional
+
+EXIT_USER_ERROR = 2
+EXIT_TRAINING_FAILED = 3
+REPORTED_EXIT_CODES = (EXIT_USER_ERROR, EXIT_TRAINING_FAILED)
+
+
+def _config_path(argv: List[str]) -> Optional[str]:
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--config="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def check_command_line(argv: List[str]) -> None:
+    """Check a recipe's command line the way torchtune's ``config.parse`` will read it.
+
+    Args:
+        argv: the arguments after the program name: ``--config <file>`` and
+            ``key=value`` / ``~key`` overrides.
+
+    Raises:
+        UserError: the config file is missing, not YAML (with line and
+            column), or not a mapping; an argument is a flag other than
+            ``--config``, an override not of the form ``key=value``, or a
+            ``~key`` that names no key of the file or a component (torchtune
+            cannot remove those; ``key=null`` turns an optional one off).
+    """
+    import yaml
+    from omegaconf import DictConfig, OmegaConf
+
+    from torchtune_ext.config import UserError
+
+    path = _config_path(argv)
+    if path is None:
+        return  # torchtune's parser says that --config is required
+    if not os.path.isfile(path):
+        what = "is a directory, not a YAML file" if os.path.isdir(path) else "does not exist"
+        raise UserError(f"--config '{path}' {what}")
+    try:
+        loaded = OmegaConf.load(path)
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark or err.context_mark
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = ": ".join(part for part in (err.context, err.problem) if part)
+        raise UserError(f"--config '{path}'{where}: {problem or err}") from None
+    except Exception as err:  # unreadable, not text, an OmegaConf error
+        raise UserError(f"--config '{path}' cannot be read: {type(err).__name__}: {err}") from None
+    if not isinstance(loaded, DictConfig):
+        raise UserError(f"--config '{path}' must hold a mapping of config keys, not a list")
+
+    skip = False
+    for i, arg in enumerate(argv):
+        if skip or arg == "--config" or arg.startswith("--config="):
+            skip = arg == "--config"
+            continue
+        if arg.startswith("-"):
+            raise UserError(f"command line '{arg}': only --config <file> and key=value overrides are accepted")
+        if arg.startswith("~"):
+            key = arg[1:].split("=")[0]
+            node = OmegaConf.select(loaded, key, default=_ABSENT)
+            if node is _ABSENT:
+                raise UserError(f"command line '{arg}': '{key}' is not a key of '{path}'")
+            if "_component_" in key.split(".") or (isinstance(node, DictConfig) and "_component_" in node):
+                raise UserError(f"command line '{arg}': '{key}' is a component, which torchtune cannot remove "
+                                f"from the command line ({key}=null turns an optional component off)")
+            continue
+        if arg.count("=") != 1 or not arg.split("=")[0]:
+            raise UserError(f"command line '{arg}': expected key=value" +
+                            (" (torchtune's parser does not accept '=' inside a value)" if arg.count("=") > 1 else ""))
+
+
+_ABSENT = object()
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0") or 0)
+
+
+def report_and_exit(message: str, status: int) -> None:
+    """Print ``message`` on rank 0, leave it for torchrun's launcher, and exit with ``status``."""
+    if _rank() == 0:
+        print(message, file=sys.stderr, flush=True)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        try:
+            with open(error_file, "w") as f:
+                json.dump({"message": message, "timestamp": int(time.time())}, f)
+        except OSError:
+            pass
+    sys.exit(status)
+
+
+def exit_on_user_error(recipe_main: Callable[..., Any]) -> Callable[..., Any]:
+    """Run a recipe's entry point; expected errors end it with one line and an exit status.
+
+    Wrap torchtune's ``config.parse``-decorated ``recipe_main`` (see the
+    module docstring): called without arguments, the command line is checked
+    first (:func:`check_command_line`).
+
+    * :class:`torchtune_ext.config.UserError` (``ConfigError`` included):
+      ``error: <message>``, exit status 2.
+    * :class:`torchtune_ext.health.TrainingHealthError`: ``error: training
+      stopped: <message>``, exit status 3.
+    """
+    from torchtune_ext.config import UserError
+    from torchtune_ext.health import TrainingHealthError
+
+    @functools.wraps(recipe_main)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            if not args and not kwargs:
+                check_command_line(sys.argv[1:])
+            return recipe_main(*args, **kwargs)
+        except UserError as err:
+            report_and_exit(f"error: {err}", EXIT_USER_ERROR)
+        except TrainingHealthError as err:
+            report_and_exit(f"error: training stopped: {err}", EXIT_TRAINING_FAILED)
+
+    return wrapper
+
+
+def quiet_reported_failures(run: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap torchrun's ``run`` in the launcher: a job whose workers reported their own error exits quietly.
+
+    When the first worker to fail exited with a status of
+    :data:`REPORTED_EXIT_CODES`, the workers have printed the one line that
+    matters (rank 0; see :func:`report_and_exit`). The launcher then exits
+    with that status instead of raising ``ChildFailedError`` (a traceback
+    and a failure report). If rank 0 did not fail that way, the failing
+    rank's line, read from its error file, is printed. Other failures are
+    reported by torchrun as usual.
+    """
+    import logging
+
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_drop_reported_failure_log)
+
+    @functools.wraps(run)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+        try:
+            return run(*args, **kwargs)
+        except ChildFailedError as err:
+            _, first = err.get_first_failure()
+            reported = {r: f for r, f in err.failures.items() if f.exitcode in REPORTED_EXIT_CODES}
+            if not reported or (first.exitcode >= 0 and first.exitcode not in REPORTED_EXIT_CODES):
+                raise  # a crash (or a signal from outside): torchrun's report is what helps
+            rank, failure = min(reported.items(), key=lambda item: (item[1].timestamp, item[0]))
+            # Rank 0 prints before it writes its error file; it may have been stopped by torchrun
+            # (SIGTERM) after that, while exiting, when another rank exited first.
+            rank_zero = err.failures.get(0)
+            if not (rank_zero is not None and _is_report(rank_zero.message)):
+                message = failure.message if _is_report(failure.message) else f"error: exit status {failure.exitcode}"
+                print(f"{message} (rank {rank})", file=sys.stderr, flush=True)
+            sys.exit(failure.exitcode)
+
+    return wrapper
+
+
+def _is_report(message: Any) -> bool:
+    return isinstance(message, str) and message.startswith("error:")
+
+
+def _drop_reported_failure_log(record: Any) -> bool:
+    """torchrun logs ``failed (exitcode: N) local_rank: ...`` before raising; the worker said it already."""
+    args = record.args if isinstance(record.args, tuple) else ()
+    return not (str(record.msg).startswith("failed (exitcode") and args and args[0] in REPORTED_EXIT_CODES)

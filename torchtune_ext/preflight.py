@@ -1,0 +1,170 @@
+"""Checks of the config's components, before any data, weights or output is touched.
+
+:func:`torchtune_ext.config.validate` checks values it knows. The components
+(``_component_`` entries: model, optimizer, scheduler, tokenizer, dataset,
+checkpointer, loss, metric logger) are arbitrary callables whose mistakes
+otherwise surface as raw ``ImportError``/``TypeError``/``ValueError``
+tracebacks minutes later, after the model has loaded and the checkpointer
+has created its staging folder. :func:`check_components` finds them first,
+cheaply:
+
+1. every ``_component_`` imports;
+2. every argument given in the config is one the callable accepts, and a
+   string is not given where the signature wants a number;
+3. the model builds on the meta device (no memory, no weights): builder
+   errors, and an adapter on a tied output projection;
+4. the optimizer and the LR scheduler are built around one dummy parameter
+   (on the training device): their own value checks (``lr=-1``) run.
+
+Every problem is a :class:`~torchtune_ext.config.ConfigError` naming the key.
+"""
+
+import difflib
+import importlib
+import inspect
+from typing import Any, Iterator, Tuple
+
+import torch
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from torchtune import config as tt_config
+
+from torchtune_ext.config import ConfigError, enabled
+
+
+def resolve_component(path: str) -> Any:
+    """The object a ``_component_`` dotted path names, importing as needed.
+
+    Raises:
+        ValueError: no such module or attribute (the message names the part
+            that is missing). Errors raised while importing an existing
+            module propagate.
+    """
+    parts = path.split(".")
+    if not path or not all(parts):
+        raise ValueError(f"'{path}' is not a dotted path such as torch.optim.AdamW")
+    module, found = None, 0
+    for i in range(len(parts), 0, -1):
+        name = ".".join(parts[:i])
+        try:
+            module, found = importlib.import_module(name), i
+            break
+        except ModuleNotFoundError as err:
+            if err.name is None or not (name == err.name or name.startswith(err.name + ".")):
+                raise  # an existing module failed to import one of its own dependencies
+    if module is None:
+        raise ValueError(f"there is no module '{parts[0]}' (is its package installed?)")
+    obj = module
+    for j in range(found, len(parts)):
+        if not hasattr(obj, parts[j]):
+            raise ValueError(f"'{'.'.join(parts[:j])}' has no attribute '{parts[j]}'")
+        obj = getattr(obj, parts[j])
+    return obj
+
+
+def _components(node: Any, key: str = "") -> Iterator[Tuple[str, DictConfig]]:
+    """(dotted key, node) of every enabled component in ``node``, outermost first."""
+    if isinstance(node, DictConfig):
+        if isinstance(node.get("_component_"), str):
+            yield key, node
+        for name in node:
+            if name != "_component_":
+                yield from _components(node._get_node(name), f"{key}.{name}" if key else str(name))
+    elif isinstance(node, ListConfig):
+        for i, item in enumerate(node):
+            yield from _components(item, f"{key}[{i}]")
+
+
+def _number_expected(param: inspect.Parameter) -> bool:
+    kinds = (int, float)
+    annotation = param.annotation
+    if annotation in kinds or annotation in ("int", "float"):
+        return True
+    default = param.default
+    return isinstance(default, kinds) and not isinstance(default, bool)
+
+
+def _check_arguments(key: str, target: Any, node: DictConfig) -> None:
+    try:
+        signature = inspect.signature(target)
+    except (TypeError, ValueError):
+        return  # a builtin without a signature: its own call will check
+    params = signature.parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    path = node._component_
+    for name in node:
+        if name == "_component_":
+            continue
+        if name not in params:
+            if not takes_any:
+                match = difflib.get_close_matches(str(name), list(params), n=1)
+                hint = f"; did you mean '{match[0]}'?" if match else ""
+                raise ConfigError(f"{key}.{name}", f"is not an argument of {path}{hint}")
+            continue
+        value = OmegaConf.to_object(node[name]) if OmegaConf.is_config(node[name]) else node[name]
+        if isinstance(value, str) and _number_expected(params[name]):
+            raise ConfigError(f"{key}.{name}", f"{path} expects a number, got {value!r}")
+
+
+def _short(err: BaseException) -> str:
+    text = " ".join(str(err).split())
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
+def check_components(cfg: DictConfig, device: torch.device) -> None:
+    """Check the config's components before anything is loaded (see the module docstring).
+
+    Args:
+        cfg: a config already checked by :func:`torchtune_ext.config.validate`.
+        device: the training device (the dummy optimizer parameter lives there).
+
+    Raises:
+        ConfigError: naming the key of the first problem found.
+    """
+    for key, node in _components(cfg):
+        path = node._component_
+        try:
+            target = resolve_component(path)
+        except Exception as err:
+            raise ConfigError(f"{key}._component_", f"'{path}' cannot be imported: {err}") from None
+        if callable(target):
+            _check_arguments(key, target, node)
+    _check_model(cfg.model)
+    _check_optimizer(cfg, device)
+
+
+def _check_model(cfg_model: DictConfig) -> None:
+    path = cfg_model._component_
+    adapter_on_output = bool(cfg_model.get("apply_lora_to_output", False))
+    tied = f"an adapter on the output projection is not possible: in {path} it is the token embedding " \
+           "(tied weights). Set model.apply_lora_to_output=false"
+    try:
+        with torch.device("meta"):
+            model = tt_config.instantiate(cfg_model)
+    except Exception as err:
+        if adapter_on_output and "apply_lora_to_output" in str(err):
+            if cfg_model.get("tie_word_embeddings", True):
+                raise ConfigError("model.apply_lora_to_output", tied) from None
+            raise ConfigError("model.apply_lora_to_output", f"{path} does not support it ({_short(err)}); "
+                              "set model.apply_lora_to_output=false") from None
+        raise ConfigError("model", f"{path} cannot build this model: {_short(err)}") from None
+    if adapter_on_output:
+        from torchtune.modules import TiedLinear
+
+        if isinstance(getattr(model, "output", None), TiedLinear):
+            raise ConfigError("model.apply_lora_to_output", tied)
+
+
+def _check_optimizer(cfg: DictConfig, device: torch.device) -> None:
+    dummy = torch.nn.Parameter(torch.zeros(2, device=device))
+    path = cfg.optimizer._component_
+    try:
+        optimizer = tt_config.instantiate(cfg.optimizer, [dummy])
+    except Exception as err:
+        raise ConfigError("optimizer", f"{path} rejects these settings: {_short(err)}") from None
+    if enabled(cfg.get("lr_scheduler")) is None:
+        return
+    try:
+        tt_config.instantiate(cfg.lr_scheduler, optimizer, num_training_steps=1000)
+    except Exception as err:
+        raise ConfigError("lr_scheduler", f"{cfg.lr_scheduler._component_} rejects these settings: "
+                          f"{_short(err)}") from None
