@@ -31,6 +31,7 @@ from torchtune_ext.checkpoint import (
 from torchtune_ext.data import build_step_loader
 from torchtune_ext.evaluate import Validator, build_val_loader
 from torchtune_ext.loss import build_loss
+from torchtune_ext.memory import MemoryGuard
 from torchtune_ext.metrics import StepReporter, build_metric_logger
 from torchtune_ext.preflight import check_components
 from torchtune_ext.step import StepHealth, build_lr_scheduler, train_step
@@ -76,6 +77,7 @@ class FullFinetuneRecipeDistributed:
         checkpoint = self._checkpoints.load(resume_from)
         self._model = self._setup_model(cfg.model, checkpoint[training.MODEL_KEY], resume_from)
         self._optimizer = config.instantiate(cfg.optimizer, self._model.parameters())
+        self._memory_guard = MemoryGuard(self._model, self._device, self._optimizer, activation_dtype=self._dtype)
         self._lr_scheduler = build_lr_scheduler(cfg.lr_scheduler, self._optimizer,
                                                 cfg.epochs * self._steps_per_epoch)
         if resumed:
@@ -107,7 +109,7 @@ class FullFinetuneRecipeDistributed:
         distributed.load_full_model_state_dict(model, state_dict, self._device, cpu_offload=self.cfg.fsdp_cpu_offload,
                                                source=source or self.cfg.checkpointer.checkpoint_dir)
         training.validate_expected_param_dtype(model.named_parameters(), dtype=self._dtype)
-        model.set_num_output_chunks(self._loss_fn.num_output_chunks)
+        self._loss_fn.take_output_projection(model)  # the model returns hidden states; the loss projects
         utils.log_rank_zero(log, f"Model: {sum(p.numel() for p in model.parameters()):,} parameters, "
                                  f"{self._dtype} on {self._device}, FSDP2 over {self._world_size} ranks")
         return model
@@ -126,7 +128,7 @@ class FullFinetuneRecipeDistributed:
                 result = train_step(
                     self._model, self._optimizer, self._loss_fn, step_data.micro_batches, device=self._device,
                     backward_once_per_step=cfg.backward_once_per_step, clip_grad_norm=cfg.clip_grad_norm,
-                    health=self._health, step=progress.step + 1,
+                    health=self._health, step=progress.step + 1, memory_guard=self._memory_guard,
                 )
                 if self._lr_scheduler is not None:
                     self._lr_scheduler.step()

@@ -160,7 +160,7 @@ COMMON_KEYS: Dict[str, Key] = {
     "optimizer": Key(_NO_DEFAULT, _component, required=True),
     "lr_scheduler": Key(None, _optional_component),
     "loss": Key(
-        {"_component_": "torchtune_ext.loss.SummedCrossEntropyLoss", "num_output_chunks": 8},
+        {"_component_": "torchtune_ext.loss.SummedCrossEntropyLoss", "num_output_chunks": "auto"},
         _component,
     ),
     "metric_logger": Key(None, _optional_component),
