@@ -297,7 +297,8 @@ class SummedCrossEntropyLoss(nn.Module):
             # connected to every parameter (data-parallel ranks run the same backward).
             for chunk_rows, chunk_targets in zip(rows.split(size), targets.split(size)):
                 if checkpointed:
-                    log_probs = checkpoint(self._log_probs, chunk_rows, use_reentrant=False)
+                    # The recompute replays the forward's RNG state: a LoRA output's dropout draws the same mask.
+                    log_probs = checkpoint(self._log_probs, chunk_rows, use_reentrant=False, preserve_rng_state=True)
                 else:
                     log_probs = self._log_probs(chunk_rows)
                 totals = [total + part for total, part in zip(totals, self._chunk_sums(log_probs, chunk_targets))]
