@@ -21,6 +21,7 @@ checks the formula against such counts.
 """
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence
 
@@ -60,6 +61,8 @@ class ModelShape:
         activation_checkpointing (bool): layers keep only their input for backward.
         lora_bytes_per_token (int): what the adapters of one layer add per token
             (see :func:`model_shape`).
+        lora_bytes_per_layer (int): what they add per layer whatever the
+            tokens (DoRA builds its adapter's weight from an identity matrix).
         gradient_bytes (int): gradients of the trainable parameters on this rank.
         optimizer_state_bytes (int): optimizer state still to be allocated by
             the first ``optimizer.step()`` (0 once it exists).
@@ -73,6 +76,7 @@ class ModelShape:
     element_bytes: int = 4
     activation_checkpointing: bool = False
     lora_bytes_per_token: int = 0
+    lora_bytes_per_layer: int = 0
     gradient_bytes: int = 0
     optimizer_state_bytes: int = 0
 
@@ -108,7 +112,8 @@ def activation_bytes(shape: ModelShape, micro_batch: MicroBatchShape, recompute_
     activation checkpointing), the token embedding's output and the final
     norm (``8 * hidden + 12`` per token), and the loss: the trainable rows'
     hidden states with ``recompute_output`` (:class:`torchtune_ext.loss.SummedCrossEntropyLoss`),
-    else their fp32 log-probabilities (``4 * vocab`` per row).
+    else their fp32 log-probabilities (``4 * vocab`` per row), plus 32 bytes
+    of indices per row.
 
     Returns:
         int: bytes.
@@ -118,12 +123,14 @@ def activation_bytes(shape: ModelShape, micro_batch: MicroBatchShape, recompute_
         per_layer = shape.element_bytes * shape.hidden_dim
     else:
         per_layer = layer_bytes_per_token(shape, micro_batch.seq_len, micro_batch.masked)
-    layers = shape.num_layers * tokens * per_layer
+    layers = shape.num_layers * (tokens * per_layer + shape.lora_bytes_per_layer)
     base = tokens * (8 * shape.hidden_dim + 12)
+    # per trainable row, besides the hidden state or log-probabilities: the
+    # int64 positions and targets the row selections keep (32 bytes)
     if recompute_output:
-        loss = micro_batch.trainable_rows * shape.hidden_dim * shape.element_bytes
+        loss = micro_batch.trainable_rows * (shape.hidden_dim * shape.element_bytes + 32)
     else:
-        loss = micro_batch.trainable_rows * shape.vocab_size * 4
+        loss = micro_batch.trainable_rows * (shape.vocab_size * 4 + 32)
     return layers + base + loss
 
 
@@ -181,7 +188,8 @@ def available_memory_bytes(device: torch.device) -> Optional[int]:
 
     CUDA: free device memory (``torch.cuda.mem_get_info``) plus what
     PyTorch's caching allocator holds but does not use. CPU: ``MemAvailable``
-    of ``/proc/meminfo`` (Linux), or less if a cgroup v2 memory limit is closer.
+    of ``/proc/meminfo`` (Linux), or less if a cgroup v2 memory limit is closer,
+    divided among the job's processes on this host (``LOCAL_WORLD_SIZE``).
     """
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
@@ -198,7 +206,9 @@ def available_memory_bytes(device: torch.device) -> Optional[int]:
     headroom = _cgroup_headroom()
     if headroom is not None:
         available = headroom if available is None else min(available, headroom)
-    return available
+    # Processes of one job on this host share its memory (torchrun sets LOCAL_WORLD_SIZE).
+    local_processes = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
+    return None if available is None else available // local_processes
 
 
 def _local_numel(param: torch.Tensor) -> int:
@@ -213,8 +223,9 @@ def model_shape(model: nn.Module, activation_dtype: Optional[torch.dtype] = None
     Adapters (torchtune's ``LoRALinear`` / ``DoRALinear``, found by their
     ``lora_a``) add, per adapted linear and token, the rank (``lora_a``'s
     output), the input again with dropout (``in_dim`` plus a 1-byte mask),
-    and for DoRA the input and output once more (measured, see the module
-    docstring). The optimizer state yet to be allocated counts 2 tensors per
+    and for DoRA the input and output once more, and per layer, whatever the
+    tokens, an identity matrix and its ``lora_a`` image (``in_dim * (in_dim +
+    rank)``; measured, see the module docstring). The optimizer state yet to be allocated counts 2 tensors per
     trainable parameter (Adam's moments) while ``optimizer.state`` is empty.
 
     Returns:
@@ -230,14 +241,16 @@ def model_shape(model: nn.Module, activation_dtype: Optional[torch.dtype] = None
     if attn is None or w1 is None:
         return None
     e = torch.finfo(activation_dtype or next(model.parameters()).dtype).bits // 8
-    lora = 0
+    lora = lora_fixed = 0
     for module in layer.modules():
         if hasattr(module, "lora_a") and hasattr(module, "in_dim"):
-            lora += e * module.lora_a.out_features
+            rank = module.lora_a.out_features
+            lora += e * rank
             if not isinstance(getattr(module, "dropout", None), nn.Identity):
                 lora += (e + 1) * module.in_dim
             if hasattr(module, "magnitude"):
                 lora += e * (module.in_dim + module.out_dim)
+                lora_fixed += e * module.in_dim * (module.in_dim + rank)
     trainable = [p for p in model.parameters() if p.requires_grad]
     gradient_bytes = sum(_local_numel(p) * p.element_size() for p in trainable)
     from torchtune_ext.loss import _output_width
@@ -249,7 +262,7 @@ def model_shape(model: nn.Module, activation_dtype: Optional[torch.dtype] = None
         num_layers=len(layers), hidden_dim=attn.embed_dim, num_heads=attn.num_heads,
         intermediate_dim=w1.out_features if hasattr(w1, "out_features") else w1.out_dim,
         vocab_size=vocab, element_bytes=e, activation_checkpointing=checkpointed,
-        lora_bytes_per_token=lora, gradient_bytes=gradient_bytes,
+        lora_bytes_per_token=lora, lora_bytes_per_layer=lora_fixed, gradient_bytes=gradient_bytes,
         optimizer_state_bytes=2 * gradient_bytes if optimizer is not None and not optimizer.state else 0,
     )
 
