@@ -108,7 +108,8 @@ class FullFinetuneRecipeSingleDevice:
     def train(self) -> None:
         cfg, progress = self.cfg, self.progress
         reporter = StepReporter(self._metric_logger, self._device, total_steps=cfg.epochs * self._steps_per_epoch,
-                                initial_step=progress.step, log_every_n_steps=cfg.log_every_n_steps)
+                                initial_step=progress.step, log_every_n_steps=cfg.log_every_n_steps,
+                                model=self._model, dtype=self._dtype, peak_tflops_per_device=cfg.peak_tflops_per_device)
         self._validator.at_start(progress)
         while progress.epoch < cfg.epochs:
             for step_data in self._data.epoch(progress.epoch, progress.samples_in_epoch, progress.steps_in_epoch):
@@ -124,7 +125,8 @@ class FullFinetuneRecipeSingleDevice:
                 progress.complete_step(skipped=result.skipped is not None, end_sample=step_data.end_sample,
                                        num_tokens=result.num_tokens)
                 reporter.end_step(result, step=progress.step, epoch=progress.epoch, lr=lr,
-                                  skipped_steps=progress.skipped_steps, tokens_seen=progress.tokens_seen)
+                                  skipped_steps=progress.skipped_steps, tokens_seen=progress.tokens_seen,
+                                  data=step_data)
                 self._validator.after_step(progress, end_of_epoch=step_data.last_in_epoch)
                 if cfg.save_every_n_steps and progress.step % cfg.save_every_n_steps == 0:
                     self.save_checkpoint()

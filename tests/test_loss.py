@@ -153,8 +153,8 @@ def _micro_batches():
     from helpers import collate, instruct_samples
 
     samples = instruct_samples([3, 9, 1, 6, 0], [12, 2, 30, 7, 5])
-    samples = [{"tokens": [t % 96 for t in s["tokens"]], "labels": [l if l == IGNORE else l % 96 for l in s["labels"]]}
-               for s in samples]
+    samples = [{"tokens": [t % 96 for t in s["tokens"]],
+                "labels": [l if l == IGNORE else l % 96 for l in s["labels"]]} for s in samples]
     return [collate(samples[:2], pad_to=40), collate(samples[2:4]), collate(samples[4:])]
 
 
@@ -336,7 +336,8 @@ def test_num_output_chunks_is_checked():
     from torchtune_ext.config import ConfigError
     from torchtune_ext.loss import build_loss
 
-    assert build_loss(OmegaConf.create({"_component_": "torchtune_ext.loss.SummedCrossEntropyLoss"})).num_output_chunks == "auto"
+    ours = OmegaConf.create({"_component_": "torchtune_ext.loss.SummedCrossEntropyLoss"})
+    assert build_loss(ours).num_output_chunks == "auto"
     for bad in (0, "many", True):
         with pytest.raises(ConfigError, match="loss.num_output_chunks"):
             build_loss(OmegaConf.create({"_component_": "torchtune.modules.loss.CEWithChunkedOutputLoss",

@@ -54,7 +54,8 @@ def measured_bytes(model, batch, seq_len, masked=False):
     tokens = torch.randint(0, ARCH["vocab_size"], (batch, seq_len))
     labels = tokens.clone()
     labels[:, : seq_len // 3] = IGNORE
-    kwargs = {"mask": torch.tril(torch.ones(seq_len, seq_len, dtype=torch.bool)).expand(batch, -1, -1)} if masked else {}
+    causal = torch.tril(torch.ones(seq_len, seq_len, dtype=torch.bool))
+    kwargs = {"mask": causal.expand(batch, -1, -1)} if masked else {}
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss_fn(model(tokens, **kwargs), labels, recompute_output=True)
     rows = int((labels != IGNORE).sum())
@@ -111,8 +112,8 @@ def test_step_estimate_counts_every_micro_batch_once_per_step():
 
 def micro_batches():
     samples = instruct_samples([3, 9, 1, 6, 2, 4], [12, 2, 30, 7, 5, 9])
-    samples = [{"tokens": [t % 512 for t in s["tokens"]], "labels": [l if l == IGNORE else l % 512 for l in s["labels"]]}
-               for s in samples]
+    samples = [{"tokens": [t % 512 for t in s["tokens"]],
+                "labels": [l if l == IGNORE else l % 512 for l in s["labels"]]} for s in samples]
     return [collate(samples[i:i + 2]) for i in range(0, 6, 2)]
 
 
@@ -160,7 +161,8 @@ def test_guard_falls_back_and_comes_back_with_one_line_each(caplog):
     with caplog.at_level(logging.INFO, logger="torchtune_ext.memory"):
         model.zero_grad(set_to_none=True)
         forward_backward(model, loss_fn, micro_batches(), device=CPU, memory_guard=guard, step=4)
-    assert guard.once_per_step and ["Step 4: backward once per step again" in r.getMessage() for r in caplog.records] == [True]
+    assert guard.once_per_step
+    assert ["Step 4: backward once per step again" in r.getMessage() for r in caplog.records] == [True]
 
 
 def test_guard_counts_the_optimizer_state_until_it_exists():

@@ -202,6 +202,9 @@ COMMON_KEYS: Dict[str, Key] = {
     "loss_spike_nats": Key(3.0, _optional_positive_float),
     "optimizer_in_bwd": Key(False, _boolean),
     "log_every_n_steps": Key(1, _positive_int),
+    # Dense peak TFLOP/s of one device for the mfu metric; null: a table of
+    # common GPUs, or a matmul timed at start-up on CPU (torchtune_ext.flops).
+    "peak_tflops_per_device": Key(None, _optional_positive_float),
     "log_level": Key("INFO", _one_of("DEBUG", "INFO", "WARNING", "ERROR")),
 }
 
