@@ -146,23 +146,24 @@ def test_guard_falls_back_and_comes_back_with_one_line_each(caplog):
     model.zero_grad(set_to_none=True)
     loss_fn.recomputed.clear()
     free["bytes"] = 1000
-    with caplog.at_level(logging.INFO, logger="torchtune_ext.memory"):
+    with caplog.at_level(logging.INFO):
         for step in (2, 3):
             model.zero_grad(set_to_none=True)
             forward_backward(model, loss_fn, micro_batches(), device=CPU, memory_guard=guard, step=step)
     assert loss_fn.recomputed == [False] * 6 and not guard.once_per_step
-    lines = [r.getMessage() for r in caplog.records]
+    lines = [r.getMessage() for r in caplog.records if "backward" in r.getMessage()]
     assert len(lines) == 1 and "Step 2" in lines[0] and "per micro-batch" in lines[0]
     for name, grad in grads_of(model).items():
         assert rel_diff(grad, once_grads[name]) <= 1e-5, name
 
     caplog.clear()
     free["bytes"] = 1 << 50
-    with caplog.at_level(logging.INFO, logger="torchtune_ext.memory"):
+    with caplog.at_level(logging.INFO):
         model.zero_grad(set_to_none=True)
         forward_backward(model, loss_fn, micro_batches(), device=CPU, memory_guard=guard, step=4)
     assert guard.once_per_step
-    assert ["Step 4: backward once per step again" in r.getMessage() for r in caplog.records] == [True]
+    lines = [r.getMessage() for r in caplog.records if "backward" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("Step 4: backward once per step again")
 
 
 def test_guard_counts_the_optimizer_state_until_it_exists():

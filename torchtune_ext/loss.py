@@ -340,12 +340,10 @@ def build_loss(cfg_loss, compile: bool = False) -> SummedCrossEntropyLoss:
     from omegaconf import OmegaConf
     from torchtune import config as tt_config
 
-    from torchtune_ext.config import ConfigError
+    from torchtune_ext.config import ConfigError, check_output_chunks
 
     component = str(cfg_loss.get("_component_"))
-    chunks = cfg_loss.get("num_output_chunks", "auto")
-    if chunks != "auto" and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
-        raise ConfigError("loss.num_output_chunks", f"expected auto or a positive integer, got {chunks!r}")
+    check_output_chunks("loss.num_output_chunks", cfg_loss.get("num_output_chunks", "auto"))
     if component in _TORCHTUNE_CE_LOSSES:
         args = {k: v for k, v in OmegaConf.to_container(cfg_loss).items() if k != "_component_"}
         unsupported = sorted(set(args) - set(_TORCHTUNE_CE_LOSSES[component]))

@@ -20,15 +20,16 @@ width, heads, LoRA rank and dropout, fp32 and bf16; ``tests/test_memory.py``
 checks the formula against such counts.
 """
 
-import logging
 import os
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence
 
 import torch
 from torch import nn
+from torchtune import utils
 
-log = logging.getLogger(__name__)
+# torchtune's logger: the recipes' INFO lines show, so a mode change is seen in the run's output
+log = utils.get_logger("INFO")
 
 GIB = 1024**3
 
@@ -276,13 +277,15 @@ class MemoryGuard:
         optimizer: to count its state while it is not yet allocated.
         activation_dtype: the model's compute dtype (default: its parameters').
         headroom (float): use at most this fraction of the available memory.
-        available (callable): ``device -> bytes or None``; injectable for tests.
+        available (callable, optional): ``device -> bytes or None``; default
+            :func:`available_memory_bytes`.
     """
 
     def __init__(self, model: nn.Module, device: torch.device, optimizer: Optional[torch.optim.Optimizer] = None,
                  *, activation_dtype: Optional[torch.dtype] = None, headroom: float = 0.85,
-                 available: Callable[[torch.device], Optional[int]] = available_memory_bytes):
-        self.device, self.headroom, self._available = device, headroom, available
+                 available: Optional[Callable[[torch.device], Optional[int]]] = None):
+        self.device, self.headroom = device, headroom
+        self._available = available or (lambda dev: available_memory_bytes(dev))
         self._model, self._optimizer, self._dtype = model, optimizer, activation_dtype
         self.shape = model_shape(model, activation_dtype, optimizer)
         self.once_per_step = True  # the mode of the last decision, for the log line on a change

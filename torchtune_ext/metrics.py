@@ -9,7 +9,6 @@ no rank branches.
 """
 
 import json
-import logging
 import os
 import resource
 import threading
@@ -20,13 +19,14 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 import torch
 from omegaconf import DictConfig
 from torchtune import config as tt_config
+from torchtune import utils
 
-from torchtune_ext.config import enabled
 from torchtune_ext import flops as flops_lib
+from torchtune_ext.config import enabled
 from torchtune_ext.flops import ModelFlops
 from torchtune_ext.step import StepResult
 
-log = logging.getLogger(__name__)
+log = utils.get_logger("INFO")  # torchtune's: the recipes show its INFO lines
 
 GIB = 1024**3
 
