@@ -8,6 +8,8 @@ import re
 import statistics
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence
 
+from torchtune_ext import flops
+
 GIB = 1024**3
 
 # --------------------------------------------------------------------------- logs
@@ -159,40 +161,8 @@ def foreign_cpu_cores(busy_seconds: float, own_cpu_seconds: float, wall_seconds:
 
 # ---------------------------------------------------------------------- FLOPs
 
-def flops_per_token(
-    trainable_params: int, frozen_params: int, num_layers: int, attn_dim: int, seq_len: float
-) -> float:
-    """Training FLOPs per token of a decoder-only transformer (forward + backward).
-
-    * A trainable weight costs 6 FLOPs per token: 2 in the forward
-      multiply-add, 2 for the gradient of its input, 2 for its own gradient
-      (Kaplan et al. 2020, "6N").
-    * A frozen weight costs 4: the forward and the input gradient, which
-      backward still needs to reach the trainable weights below it (LoRA); no
-      weight gradient.
-    * Attention scores and the weighted sum of values have no weights:
-      ``12 * num_layers * attn_dim * seq_len`` per token (forward ``4 * attn_dim
-      * seq_len`` per layer, backward twice that), PaLM's convention (Chowdhery
-      et al. 2022, appendix B), not halved for the causal mask.
-
-    Pass the parameters that take part in matrix multiplies; an embedding tied
-    to the output projection counts once (it is that projection's weight). The
-    lookup of a separate, untied input embedding costs nothing and should be
-    left out.
-
-    Args:
-        trainable_params: parameters that receive gradients (all of them in a
-            full fine-tune; the adapters in LoRA).
-        frozen_params: parameters that do not (the base model in LoRA).
-        num_layers: transformer layers.
-        attn_dim: ``num_heads * head_dim``.
-        seq_len: sequence length the attention runs over (mean tokens per sample).
-
-    Returns:
-        FLOPs per token.
-    """
-    return 6.0 * trainable_params + 4.0 * frozen_params + 12.0 * num_layers * attn_dim * seq_len
-
+# The count the recipes log as tflops_per_device / mfu: one formula for both.
+flops_per_token = flops.flops_per_token
 
 def mfu(tokens_per_second: Optional[float], flops_per_tok: float, peak_flops: Optional[float]) -> Optional[float]:
     """Model FLOPs utilization: achieved model FLOPs per second over the measured peak."""

@@ -45,13 +45,18 @@ def peak_flops(device: str, dtype: torch.dtype, n: int, iters: int) -> Dict[str,
 
 
 def model_counts(kind: str, config_path: str) -> Dict[str, Any]:
-    """Trainable and frozen parameters, layers and attention width of the config's model, built on meta.
+    """Trainable and frozen matmul weights, layers and attention width of the config's model, built on meta.
 
-    A tied embedding counts once (``parameters()`` deduplicates it): it is
-    the output projection's weight.
+    The count the recipes' ``mfu`` uses (:class:`torchtune_ext.flops.ModelFlops`):
+    a tied embedding counts once (it is the output projection's weight), norm
+    scales do not count.
     """
+    from dataclasses import asdict
+
     from omegaconf import OmegaConf
     from torchtune import config
+
+    from torchtune_ext.flops import ModelFlops
 
     cfg = OmegaConf.load(config_path)
     with torch.device("meta"):
@@ -60,11 +65,7 @@ def model_counts(kind: str, config_path: str) -> Dict[str, Any]:
         from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
         set_trainable_params(model, get_adapter_params(model))
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
-    attn = model.layers[0].attn
-    return {"trainable_params": trainable, "frozen_params": frozen, "num_layers": len(model.layers),
-            "attn_dim": attn.num_heads * attn.head_dim}
+    return asdict(ModelFlops.from_model(model))
 
 
 def machine() -> Dict[str, Any]:

@@ -38,8 +38,9 @@ from torchtune_ext.checkpoint import (
 from torchtune_ext.data import build_step_loader
 from torchtune_ext.evaluate import Validator, build_val_loader
 from torchtune_ext.loss import build_loss
-from torchtune_ext.models import initialize_adapters
+from torchtune_ext.memory import MemoryGuard
 from torchtune_ext.metrics import StepReporter, build_metric_logger
+from torchtune_ext.models import initialize_adapters
 from torchtune_ext.preflight import check_components
 from torchtune_ext.step import StepHealth, build_lr_scheduler, train_step
 
@@ -86,6 +87,7 @@ class LoRAFinetuneRecipeDistributed:
         self._model = self._setup_model(cfg.model, checkpoint[training.MODEL_KEY], checkpoint.get(training.ADAPTER_KEY))
         # Only the adapter: the step's grad_norm and clipping cover exactly what trains.
         self._optimizer = config.instantiate(cfg.optimizer, self._adapter_params.values())
+        self._memory_guard = MemoryGuard(self._model, self._device, self._optimizer, activation_dtype=self._dtype)
         self._lr_scheduler = build_lr_scheduler(cfg.lr_scheduler, self._optimizer,
                                                 cfg.epochs * self._steps_per_epoch)
         if resumed:
@@ -144,7 +146,7 @@ class LoRAFinetuneRecipeDistributed:
         # Sharding replaced every parameter: collect the adapter's anew.
         self._adapter_params = {name: p for name, p in model.named_parameters() if p.requires_grad}
         training.validate_expected_param_dtype(self._adapter_params.items(), dtype=self._dtype)
-        model.set_num_output_chunks(self._loss_fn.num_output_chunks)
+        self._loss_fn.take_output_projection(model)  # the model returns hidden states; the loss projects
         total = sum(p.numel() for p in model.parameters())
         trainable = sum(p.numel() for p in self._adapter_params.values())
         utils.log_rank_zero(log, f"Model: {total:,} parameters, {trainable:,} trainable "
@@ -157,7 +159,8 @@ class LoRAFinetuneRecipeDistributed:
         cfg, progress = self.cfg, self.progress
         reporter = StepReporter(self._metric_logger, self._device, total_steps=cfg.epochs * self._steps_per_epoch,
                                 initial_step=progress.step, log_every_n_steps=cfg.log_every_n_steps,
-                                dp_world_size=self._world_size, rank=self._rank)
+                                dp_world_size=self._world_size, rank=self._rank, model=self._model, dtype=self._dtype,
+                                peak_tflops_per_device=cfg.peak_tflops_per_device)
         self._validator.at_start(progress)
         while progress.epoch < cfg.epochs:
             for step_data in self._data.epoch(progress.epoch, progress.samples_in_epoch, progress.steps_in_epoch):
@@ -166,14 +169,15 @@ class LoRAFinetuneRecipeDistributed:
                 result = train_step(
                     self._model, self._optimizer, self._loss_fn, step_data.micro_batches, device=self._device,
                     backward_once_per_step=cfg.backward_once_per_step, clip_grad_norm=cfg.clip_grad_norm,
-                    health=self._health, step=progress.step + 1,
+                    health=self._health, step=progress.step + 1, memory_guard=self._memory_guard,
                 )
                 if self._lr_scheduler is not None:
                     self._lr_scheduler.step()
                 progress.complete_step(skipped=result.skipped is not None, end_sample=step_data.end_sample,
                                        num_tokens=result.num_tokens)
                 reporter.end_step(result, step=progress.step, epoch=progress.epoch, lr=lr,
-                                  skipped_steps=progress.skipped_steps, tokens_seen=progress.tokens_seen)
+                                  skipped_steps=progress.skipped_steps, tokens_seen=progress.tokens_seen,
+                                  data=step_data)
                 self._validator.after_step(progress, end_of_epoch=step_data.last_in_epoch)
                 if cfg.save_every_n_steps and progress.step % cfg.save_every_n_steps == 0:
                     self.save_checkpoint()

@@ -15,8 +15,12 @@ launch serves many cases.
 A case is a dict with ``name``, ``batch_size``, ``grad_accum``, ``once``
 (backward_once_per_step), ``num_samples``, ``model`` ("full" or "lora") and
 optionally ``clip`` (max grad norm), ``max_steps``, ``cpu_offload``,
-``grouped`` (group_by_length), ``budget`` (max_tokens_per_micro_batch) and
-``packed`` (the same samples packed into 64-token rows).
+``grouped`` (group_by_length), ``budget`` (max_tokens_per_micro_batch),
+``packed`` (the same samples packed into 64-token rows), ``logits`` (the model
+returns logits instead of the loss applying the output projection, as the
+recipes do) and ``guard_veto_rank`` (a ``MemoryGuard`` whose available
+memory is 0 on that rank only: every rank must fall back to the
+per-micro-batch backward together).
 
 An evaluation case (``kind: "eval"``) instead runs one validation pass
 (:func:`torchtune_ext.evaluate.evaluate`) over ``helpers.synthetic_val_dataset``
@@ -40,6 +44,7 @@ from torchtune_ext import distributed
 from torchtune_ext.data import StepLoader, build_dataset, make_collate
 from torchtune_ext.evaluate import build_eval_loader, evaluate
 from torchtune_ext.loss import SummedCrossEntropyLoss
+from torchtune_ext.memory import MemoryGuard
 from torchtune_ext.models import lora_tiny_llama, tiny_llama
 from torchtune_ext.step import train_step
 
@@ -82,7 +87,11 @@ def run_case(case: dict, rank: int, world_size: int) -> dict:
     offload = case.get("cpu_offload", False)
     units = distributed.shard_model(model, CPU, cpu_offload=offload)
     distributed.load_full_model_state_dict(model, initial_state(case["model"]), CPU, cpu_offload=offload)
-    model.set_num_output_chunks(1)
+    loss_fn = SummedCrossEntropyLoss(num_output_chunks=1, ignore_index=IGNORE)
+    if case.get("logits"):
+        model.set_num_output_chunks(1)
+    else:
+        loss_fn.take_output_projection(model)
 
     reduce_scatters = [0]
     for unit in units:
@@ -98,13 +107,18 @@ def run_case(case: dict, rank: int, world_size: int) -> dict:
                         max_tokens_per_micro_batch=case.get("budget"), max_steps_per_epoch=case.get("max_steps"))
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params, lr=0.5)
-    loss_fn = SummedCrossEntropyLoss(num_output_chunks=1, ignore_index=IGNORE)
+    guard = None
+    if "guard_veto_rank" in case:
+        vetoes = case["guard_veto_rank"] == rank
+        guard = MemoryGuard(model, CPU, optimizer, available=lambda _device: 0 if vetoes else 1 << 50)
+    modes = []
     steps, scatters_per_step = [], []
     for i, step_data in enumerate(loader.epoch(0)):
         window = step_data.micro_batches
         before = reduce_scatters[0]
         r = train_step(model, optimizer, loss_fn, window, device=CPU, backward_once_per_step=case["once"],
-                       clip_grad_norm=case.get("clip"), step=i + 1)
+                       clip_grad_norm=case.get("clip"), step=i + 1, memory_guard=guard)
+        modes.append(None if guard is None else guard.once_per_step)
         steps.append({"loss": r.loss, "grad_norm": r.grad_norm, "num_tokens": r.num_tokens,
                       "local_num_tokens": r.local_num_tokens, "micro_batches": len(window), **r.metrics})
         scatters_per_step.append(reduce_scatters[0] - before)
@@ -112,6 +126,7 @@ def run_case(case: dict, rank: int, world_size: int) -> dict:
     # FSDP2 has no public getter for the policy a unit was built with
     policy = type(units[-1]._get_fsdp_state()._fsdp_param_groups[0].offload_policy).__name__
     return {"steps": steps, "params": full, "reduce_scatters": scatters_per_step, "fsdp_units": len(units),
+            "once_per_step_modes": modes,
             "world_size": world_size, "offload_policy": policy}
 
 

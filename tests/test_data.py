@@ -160,6 +160,37 @@ def test_padding_statistics():
     (loader,) = loaders(ds, 1, batch_size=4, shuffle=False)
     (data,) = loader.epoch(0)
     assert data.num_real_tokens == 20 and data.num_padded_positions == 40
+    # what attention computes: 4 rows of 10; what the samples need: their own lengths
+    assert data.padded_squared_lengths == 4 * 10 * 10 and data.real_squared_lengths == 4 + 100 + 9 + 25
+
+
+def test_padding_statistics_of_packs_count_documents():
+    """A pack's attention stays inside each document: its real squared lengths are the documents'."""
+    pack = {"tokens": torch.tensor([1, 2, 3, 4, 5, 0]), "labels": torch.tensor([1, 2, 3, 4, 5, IGNORE]),
+            "input_pos": torch.tensor([0, 1, 2, 0, 1, 0]), "seq_lens": torch.tensor([3, 2, 1])}
+    (loader,) = [StepLoader([pack, pack], make_collate(True, 0, IGNORE), batch_size=2, seed=0)]
+    (data,) = loader.epoch(0)
+    assert (data.num_padded_positions, data.num_real_tokens) == (12, 10)
+    assert (data.padded_squared_lengths, data.real_squared_lengths) == (2 * 36, 2 * (9 + 4))
+
+
+@pytest.mark.parametrize("kwargs", [{"batch_size": 2, "gradient_accumulation_steps": 2},
+                                    {"batch_size": 2, "gradient_accumulation_steps": 2, "group_by_length": True},
+                                    {"batch_size": 1, "gradient_accumulation_steps": 3,
+                                     "max_tokens_per_micro_batch": 25}])
+@pytest.mark.parametrize("world", [1, 2])
+def test_no_sample_dropped_or_repeated_across_epochs_and_resumes(kwargs, world):
+    """Every epoch trains every sample exactly once, also when the run stops after any step and resumes
+    (from the sample position saved with the checkpoint) with grouping or a token budget."""
+    ds = dataset(11)
+    for epoch in (0, 1):
+        straight = step_sets(loaders(ds, world, **kwargs), epoch)
+        assert sorted(i for step in straight for i in step) == list(range(11))
+        ends = [data.end_sample for data in loaders(ds, world, **kwargs)[0].epoch(epoch)]
+        for stop, end in enumerate(ends[:-1], start=1):  # stopped after step `stop`, saved at sample `end`
+            resumed = step_sets(loaders(ds, world, **kwargs), epoch, start=end, steps_done=stop)
+            assert straight[:stop] + resumed == straight
+    assert step_sets(loaders(ds, world, **kwargs), 0) != step_sets(loaders(ds, world, **kwargs), 1)
 
 
 def test_masked_copy_masks_every_label():

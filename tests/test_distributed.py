@@ -43,6 +43,10 @@ CASES += [case(2, 1, 2, False, cpu_offload=True)]
 CASES += [case(2, 1, 2, True, grouped=True), case(2, 2, 1, False, grouped=True),
           case(1, 1, 4, False, grouped=True), case(2, 1, 2, True, budget=48), case(2, 1, 2, False, budget=48),
           case(1, 4, 1, False, num_samples=11, budget=40), case(2, 1, 2, False, num_samples=11, grouped=True)]
+# The model returning logits (the loss not applying the output projection), and a memory
+# guard that says "does not fit" on one rank only: all ranks fall back together.
+CASES += [case(2, 1, 2, True, logits=True), case(2, 1, 2, False, logits=True),
+          case(2, 1, 2, True, guard_veto_rank=1), case(2, 1, 2, True, model="lora", guard_veto_rank=0)]
 # LoRA (nonzero lora_b, frozen base): the same four splits, both modes.
 CASES += [case(w, b, ga, once, model="lora") for w, b, ga in SPLITS for once in (True, False)]
 # Packed: all 12 documents in one optimizer step, packed into 64-token rows on 2 ranks
@@ -158,6 +162,15 @@ def test_per_micro_batch_mode_reduce_scatters_once_per_step(results):
             assert r["reduce_scatters"] == [units] * len(r["steps"]), spec["name"]
             checked += 1
     assert checked >= 4
+
+
+def test_memory_guard_veto_on_one_rank_switches_every_rank(results):
+    """Rank 1 short of memory: rank 0, which has plenty, runs backward per micro-batch too (the
+    ranks agree, or FSDP's collectives would not match); the results equal one rank's (above)."""
+    r = results["full_n12_w2_b1_ga2_once_guard_veto_rank1"]
+    assert r["once_per_step_modes"] == [False] * len(r["steps"])
+    r = results["lora_n12_w2_b1_ga2_once_guard_veto_rank0"]
+    assert r["once_per_step_modes"] == [False] * len(r["steps"])
 
 
 def test_cpu_offload_policy_applied(results):

@@ -34,7 +34,7 @@ def run_sgd(model, step_windows, once, lr=0.5):
     """Train the trainable parameters with SGD; per-step (loss, grad_norm, tokens)."""
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
     loss_fn = SummedCrossEntropyLoss(num_output_chunks=1, ignore_index=IGNORE)
-    model.set_num_output_chunks(1)
+    loss_fn.take_output_projection(model)
     history = []
     for i, w in enumerate(step_windows):
         r = train_step(model, opt, loss_fn, w, device=CPU, backward_once_per_step=once, step=i + 1)

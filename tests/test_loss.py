@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import IGNORE
+from helpers import IGNORE, rel_diff
 from torchtune_ext.accounting import count_trainable_tokens, global_sum
 from torchtune_ext.loss import SummedCrossEntropyLoss, shift_labels
 
@@ -122,3 +122,225 @@ def test_torchtune_losses_become_summed():
         build_loss(OmegaConf.create({"_component_": "torch.nn.CrossEntropyLoss", "label_smoothing": 0.1}))
     with pytest.raises(ConfigError, match="cannot be normalized exactly"):
         build_loss(OmegaConf.create({"_component_": "torch.nn.MSELoss"}))
+
+
+# ----------------------------------------------------------- the loss applies the output projection
+
+def _models(lora_dropout=0.0):
+    """Tied (SmolLM2's layout), untied, and a LoRA adapter on an untied output."""
+    from torchtune.models.llama3 import lora_llama3
+    from torchtune.models.llama3_2 import llama3_2
+    from torchtune.modules.peft import get_adapter_params, set_trainable_params
+
+    arch = dict(vocab_size=96, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=32, max_seq_len=64,
+                intermediate_dim=48)
+    torch.manual_seed(0)
+    tied = llama3_2(**arch, scale_factor=1)
+    torch.manual_seed(0)
+    untied = llama3_2(**arch, scale_factor=1, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    lora = lora_llama3(["q_proj", "v_proj"], apply_lora_to_output=True, lora_rank=4, lora_alpha=8,
+                       lora_dropout=lora_dropout, **arch)
+    set_trainable_params(lora, get_adapter_params(lora))
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_b" in name:
+                p.normal_(std=0.05)  # B = 0 would give A no gradient
+    return {"tied": tied, "untied": untied, "lora_output": lora}
+
+
+def _micro_batches():
+    from helpers import collate, instruct_samples
+
+    samples = instruct_samples([3, 9, 1, 6, 0], [12, 2, 30, 7, 5])
+    samples = [{"tokens": [t % 96 for t in s["tokens"]],
+                "labels": [l if l == IGNORE else l % 96 for l in s["labels"]]} for s in samples]
+    return [collate(samples[:2], pad_to=40), collate(samples[2:4]), collate(samples[4:])]
+
+
+def _step_grads(model, loss_fn, once, seed=7):
+    from torchtune_ext.step import forward_backward
+
+    torch.manual_seed(seed)  # LoRA dropout draws the same masks in every run
+    model.zero_grad(set_to_none=True)
+    totals = forward_backward(model, loss_fn, _micro_batches(), device=torch.device("cpu"),
+                              backward_once_per_step=once)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return totals, grads
+
+
+@pytest.mark.parametrize("kind", ["tied", "untied", "lora_output"])
+@pytest.mark.parametrize("once", [True, False], ids=["once_recomputed", "per_micro_batch"])
+@pytest.mark.parametrize("chunks", [1, 3, "auto"])
+def test_loss_projection_equals_model_logits(kind, once, chunks):
+    """Sums, token metrics and gradients are those of the model's own logits, for a tied, an untied
+    and a LoRA output projection, in both modes."""
+    import copy
+
+    model = _models()[kind]
+    reference_model = copy.deepcopy(model)
+    reference_model.set_num_output_chunks(0)
+    ref_totals, ref_grads = _step_grads(reference_model, SummedCrossEntropyLoss(1, IGNORE), once=False)
+    loss_fn = SummedCrossEntropyLoss(chunks, IGNORE)
+    loss_fn.take_output_projection(model)
+    totals, grads = _step_grads(model, loss_fn, once)
+    assert totals.num_tokens == ref_totals.num_tokens > 0
+    for name in ("loss", "token_accuracy", "entropy"):
+        assert totals.sums[name] == pytest.approx(ref_totals.sums[name], rel=1e-5), name
+    assert grads.keys() == ref_grads.keys() and grads
+    for name in grads:
+        assert rel_diff(grads[name], ref_grads[name]) <= 1e-5, name
+
+
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_recompute_draws_the_same_dropout_masks(chunks):
+    """LoRA dropout on the output adapter: the once-per-step backward recomputes each chunk with the
+    RNG state of its forward, so it equals the per-micro-batch run (which recomputes nothing). (Against
+    the model's own logits the masks differ: there dropout covers every position, here only trainable rows.)"""
+    results = {}
+    for once in (True, False):
+        model = _models(lora_dropout=0.3)["lora_output"]
+        loss_fn = SummedCrossEntropyLoss(chunks, IGNORE)
+        loss_fn.take_output_projection(model)
+        results[once] = _step_grads(model, loss_fn, once)
+    (once_totals, once_grads), (each_totals, each_grads) = results[True], results[False]
+    assert once_totals.sums["loss"] == pytest.approx(each_totals.sums["loss"], rel=1e-6)
+    for name in each_grads:
+        assert rel_diff(once_grads[name], each_grads[name]) <= 1e-5, name
+    # and the dropout did something: without it the loss differs
+    model = _models()["lora_output"]
+    loss_fn = SummedCrossEntropyLoss(chunks, IGNORE)
+    loss_fn.take_output_projection(model)
+    assert _step_grads(model, loss_fn, True)[0].sums["loss"] != pytest.approx(once_totals.sums["loss"], rel=1e-4)
+
+
+def test_take_output_projection_leaves_weights_and_state_dict_alone():
+    model = _models()["tied"]
+    keys = list(model.state_dict())
+    loss_fn = SummedCrossEntropyLoss("auto", IGNORE)
+    loss_fn.take_output_projection(model)
+    assert list(model.state_dict()) == keys and list(loss_fn.parameters()) == []
+    assert loss_fn.owns_output_projection and loss_fn.vocab_size == 96
+    hidden = model(torch.randint(0, 96, (2, 5)))
+    assert hidden.shape == (2, 5, 32)
+    with pytest.raises(ValueError, match="hidden states"):
+        loss_fn([hidden], torch.zeros(2, 5, dtype=torch.long))
+    with pytest.raises(TypeError, match="TransformerDecoder"):
+        SummedCrossEntropyLoss().take_output_projection(torch.nn.Linear(2, 2))
+
+
+def _saved_bytes(fn):
+    """Bytes of the distinct tensors autograd saves for backward while ``fn`` runs (parameters excluded)."""
+    seen = {}
+
+    def pack(t):
+        if not isinstance(t, torch.nn.Parameter):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(seen.values())
+
+
+def test_recompute_keeps_hidden_states_not_log_probabilities():
+    """With recompute_output, what the loss keeps for backward is O(rows x hidden), not O(rows x vocab);
+    the gradient is the same."""
+    from torchtune.models.llama3_2 import llama3_2
+
+    torch.manual_seed(0)
+    model = llama3_2(vocab_size=4096, num_layers=1, num_heads=4, num_kv_heads=2, embed_dim=32, max_seq_len=64,
+                     intermediate_dim=48, scale_factor=1)
+    loss_fn = SummedCrossEntropyLoss("auto", IGNORE)
+    loss_fn.take_output_projection(model)
+    hidden = model(torch.randint(0, 4096, (4, 50))).detach().requires_grad_()
+    labels = torch.randint(0, 4096, (4, 50))
+    labels[:, :10] = IGNORE
+    rows = int((labels != IGNORE).sum())
+    results = {}
+    for recompute in (False, True):
+        hidden.grad = None
+        sums, saved = _saved_bytes(lambda: loss_fn(hidden, labels, recompute_output=recompute))
+        sums.loss.backward()
+        results[recompute] = (sums, saved, hidden.grad.clone())
+    vocab_wide = rows * 4096 * 4
+    assert results[False][1] >= vocab_wide          # log-probabilities kept until backward
+    assert results[True][1] < vocab_wide / 20       # indices and nothing vocabulary-wide
+    assert results[True][0].loss.item() == pytest.approx(results[False][0].loss.item(), rel=1e-6)
+    assert rel_diff(results[True][2], results[False][2]) <= 1e-6
+
+
+def test_recompute_in_bf16_gives_the_same_gradient():
+    from torchtune.models.llama3_2 import llama3_2
+
+    torch.manual_seed(0)
+    model = llama3_2(vocab_size=512, num_layers=1, num_heads=4, num_kv_heads=2, embed_dim=32, max_seq_len=64,
+                     intermediate_dim=48, scale_factor=1).to(torch.bfloat16)
+    loss_fn = SummedCrossEntropyLoss(2, IGNORE)
+    loss_fn.take_output_projection(model)
+    tokens, labels = torch.randint(0, 512, (2, 30)), torch.randint(0, 512, (2, 30))
+    grads = {}
+    for recompute in (False, True):
+        model.zero_grad(set_to_none=True)
+        sums = loss_fn(model(tokens), labels, recompute_output=recompute)
+        assert sums.loss.dtype == torch.float32
+        sums.loss.backward()
+        grads[recompute] = {n: p.grad.float().clone() for n, p in model.named_parameters()}
+    for name in grads[False]:
+        assert torch.equal(grads[True][name], grads[False][name]), name
+
+
+def test_no_trainable_row_still_reaches_every_parameter():
+    """A micro-batch with nothing to learn gives 0 (not NaN) and a zero gradient for every parameter,
+    so data-parallel ranks run the same backward."""
+    model = _models()["tied"]
+    loss_fn = SummedCrossEntropyLoss("auto", IGNORE)
+    loss_fn.take_output_projection(model)
+    for recompute in (False, True):
+        model.zero_grad(set_to_none=True)
+        sums = loss_fn(model(torch.randint(0, 96, (2, 6))), torch.full((2, 6), IGNORE), recompute_output=recompute)
+        sums.loss.backward()
+        assert sums.loss.item() == 0.0 and sums.metrics["entropy"].item() == 0.0
+        assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+
+
+def test_output_chunk_rule():
+    """auto: fp32 logits per chunk under 256 MiB, never under 1024 rows; an integer n: n equal chunks."""
+    from torchtune_ext.loss import AUTO_CHUNK_BYTES, MIN_CHUNK_ROWS, rows_per_output_chunk
+
+    assert rows_per_output_chunk("auto", 5000, 49_152) == 1365          # SmolLM2: 1365 x 49152 x 4 B < 256 MiB
+    assert 1365 * 49_152 * 4 <= AUTO_CHUNK_BYTES < 1366 * 49_152 * 4
+    assert rows_per_output_chunk("auto", 5000, 128_256) == MIN_CHUNK_ROWS == 1024   # Llama 3: the floor wins
+    assert rows_per_output_chunk("auto", 10, 1000) == AUTO_CHUNK_BYTES // 4000      # small vocabulary: big chunks
+    assert rows_per_output_chunk("auto", 10, None) == MIN_CHUNK_ROWS
+    assert rows_per_output_chunk(8, 100, 49_152) == 13 and rows_per_output_chunk(8, 0, 49_152) == 1
+
+
+def test_chunks_follow_the_rule():
+    """The projection runs once per chunk of trainable rows: ceil(rows / rows_per_chunk) calls."""
+    model = _models()["tied"]
+    calls = []
+    hook = model.output.linear.register_forward_hook(lambda m, args, out: calls.append(args[0].shape[0]))
+    loss_fn = SummedCrossEntropyLoss(3, IGNORE)
+    loss_fn.take_output_projection(model)
+    labels = torch.randint(0, 96, (2, 20))
+    labels[0, :7] = IGNORE  # 33 trainable rows -> chunks of 11
+    loss_fn(model(torch.randint(0, 96, (2, 20))), labels)
+    hook.remove()
+    assert calls == [11, 11, 11]
+
+
+def test_num_output_chunks_is_checked():
+    from omegaconf import OmegaConf
+
+    from torchtune_ext.config import ConfigError
+    from torchtune_ext.loss import build_loss
+
+    ours = OmegaConf.create({"_component_": "torchtune_ext.loss.SummedCrossEntropyLoss"})
+    assert build_loss(ours).num_output_chunks == "auto"
+    for bad in (0, "many", True):
+        with pytest.raises(ConfigError, match="loss.num_output_chunks"):
+            build_loss(OmegaConf.create({"_component_": "torchtune.modules.loss.CEWithChunkedOutputLoss",
+                                         "num_output_chunks": bad}))
+    with pytest.raises(ValueError):
+        SummedCrossEntropyLoss(0)

@@ -52,10 +52,10 @@ def packs_of(samples, max_seq_len=64, **kwargs):
 
 
 def run_step(model, micro_batches, once):
-    model.set_num_output_chunks(2)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
-    result = train_step(model, opt, SummedCrossEntropyLoss(2, IGNORE), micro_batches, device=CPU,
-                        backward_once_per_step=once)
+    loss_fn = SummedCrossEntropyLoss(2, IGNORE)
+    loss_fn.take_output_projection(model)
+    result = train_step(model, opt, loss_fn, micro_batches, device=CPU, backward_once_per_step=once)
     return result, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 

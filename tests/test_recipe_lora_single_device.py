@@ -92,10 +92,11 @@ def test_adapter_trains_base_stays_and_checkpoint_holds_both(smollm2_assets, tin
     fresh = lora_tiny_llama(**TINY_LORA, use_dora=use_dora)
     fresh.load_state_dict(base, strict=False)
     fresh.load_state_dict(adapter, strict=False)
-    model.set_num_output_chunks(0)  # one logits tensor, as from `fresh`
+    fresh.set_num_output_chunks(0)  # one logits tensor
     tokens = torch.randint(0, 49_152, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        trained = model(tokens)
+        # the recipe's model returns hidden states; its loss applies the output projection
+        trained = model.output(model(tokens))
         torch.testing.assert_close(fresh(tokens), trained, rtol=0, atol=0)
 
     # the merged model: base plus the scaled low-rank product, and the same function

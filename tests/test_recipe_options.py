@@ -70,3 +70,26 @@ def test_seed_and_shuffle_decide_the_order(run):
     tokens = lambda rows: [r["num_tokens"] for r in rows]  # noqa: E731
     assert tokens(a) == tokens(b) and losses(a) == losses(b)
     assert tokens(a) != tokens(c) and tokens(a) != tokens(d)
+
+
+def test_step_that_does_not_fit_runs_per_micro_batch_with_one_line(run, monkeypatch, caplog):
+    """The default (backward once per step) on a machine without the memory for it: the recipe says so
+    once and trains per micro-batch, with the same losses as the once-per-step run."""
+    import logging
+
+    from torchtune_ext import memory
+
+    _, rows = run("fits")
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda device: 1 << 20)  # 1 MiB free
+    with caplog.at_level(logging.INFO):
+        _, rows_tight = run("tight")
+    lines = [r.getMessage() for r in caplog.records if "backward once per step" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("Step 1:") and "per micro-batch" in lines[0]
+    assert losses(rows_tight) == pytest.approx(losses(rows), rel=1e-5)
+
+
+def test_mfu_and_padding_are_logged_every_step(run):
+    _, rows = run("mfu", "peak_tflops_per_device=0.001")
+    for r in rows:
+        assert 0 <= r["padding_fraction"] < 1 and r["tflops_per_device"] >= r["useful_tflops_per_device"] > 0
+        assert r["mfu"] == pytest.approx(r["tflops_per_device"] / 0.001)

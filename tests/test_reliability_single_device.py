@@ -132,6 +132,8 @@ CONFIG_ERRORS = {
     "checkpointer.checkpoint_files=[missing.safetensors]": ["checkpointer.checkpoint_files", "missing.safetensors"],
     "resume_from_checkpoint=true": ["resume_from_checkpoint", "no complete checkpoint"],
     "dtype=fp16": ["dtype", "fp32, bf16"],
+    "peak_tflops_per_device=-5": ["peak_tflops_per_device", "positive number"],
+    "loss.num_output_chunks=0": ["loss.num_output_chunks", "auto or a positive integer"],
 }
 
 

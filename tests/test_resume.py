@@ -59,9 +59,11 @@ def test_resume_continues_exactly(name, smollm2_assets, tmp_path):
     got = read_jsonl(resumed / "logs" / "metrics.jsonl")
     assert [r["step"] for r in expected] == [1, 2, 3, 4] and [r["step"] for r in got] == [3, 4]
     assert expected[2]["lr"] > 0  # warmup ended: a scheduler reset to step 0 would show here
-    fields = ("loss", "grad_norm", "lr", "num_tokens")
+    # tokens_seen continues from the checkpoint (group_by_length is on: the configs' default)
+    fields = ("loss", "grad_norm", "lr", "num_tokens", "tokens_seen", "padding_fraction")
     for a, b in zip(got, expected[2:]):
         assert [a[f] for f in fields] == [b[f] for f in fields], a["step"]
+    assert [r["tokens_seen"] for r in expected] == [sum(r["num_tokens"] for r in expected[:i + 1]) for i in range(4)]
     final = _weights(straight / "step_4" / weights)
     for key, weight in _weights(resumed / "step_4" / weights).items():
         assert torch.equal(weight, final[key]), key

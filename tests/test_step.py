@@ -40,11 +40,21 @@ def reference_step(model, samples):
     return loss.item(), grads
 
 
-def run_steps(model, step_windows, once, lr=0.5, chunks=1):
-    """Train with SGD over the windows; return per-step (loss, grad_norm) and params."""
-    model.set_num_output_chunks(chunks)
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
+def attach_loss(model, chunks=1, output="loss"):
+    """The loss for ``model``: applying the output projection itself (``"loss"``, as the
+    recipes do) or on the logits the model returns (``"model"``)."""
     loss_fn = SummedCrossEntropyLoss(num_output_chunks=chunks, ignore_index=IGNORE)
+    if output == "loss":
+        loss_fn.take_output_projection(model)
+    else:
+        model.set_num_output_chunks(chunks if isinstance(chunks, int) else 0)
+    return loss_fn
+
+
+def run_steps(model, step_windows, once, lr=0.5, chunks=1, output="loss"):
+    """Train with SGD over the windows; return per-step (loss, grad_norm) and params."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    loss_fn = attach_loss(model, chunks, output)
     history = []
     for i, w in enumerate(step_windows):
         r = train_step(model, opt, loss_fn, w, device=CPU, backward_once_per_step=once, step=i + 1)
@@ -64,7 +74,8 @@ DATASETS = {
 @pytest.mark.parametrize("data", sorted(DATASETS))
 @pytest.mark.parametrize("once", [True, False], ids=["once_per_step", "per_micro_batch"])
 @pytest.mark.parametrize("pad_to", [0, 64], ids=["tight", "heavy_padding"])
-def test_batch_split_invariance(data, once, pad_to):
+@pytest.mark.parametrize("output", ["loss", "model"], ids=["loss_projects", "model_logits"])
+def test_batch_split_invariance(data, once, pad_to, output):
     """Batch N, batch 1 x N accumulation, batch N/2 x 2: same losses, norms, params."""
     samples = DATASETS[data]()
     n = 4  # global batch; 12 samples -> 3 optimizer steps
@@ -72,7 +83,7 @@ def test_batch_split_invariance(data, once, pad_to):
     splits = {"bN": (n, 1), "b1_gaN": (1, n), "bN/2_ga2": (n // 2, 2)}
     results = {}
     for name, (bs, ga) in splits.items():
-        results[name] = run_steps(clone(base), windows(samples, bs, ga, pad_to), once)
+        results[name] = run_steps(clone(base), windows(samples, bs, ga, pad_to), once, output=output)
     (ref_hist, ref_params) = results["bN"]
     assert len(ref_hist) == 3
     for name, (hist, params) in results.items():
@@ -85,14 +96,14 @@ def test_batch_split_invariance(data, once, pad_to):
 
 
 @pytest.mark.parametrize("once", [True, False])
-@pytest.mark.parametrize("chunks", [1, 8])
-def test_matches_independent_reference(once, chunks):
+@pytest.mark.parametrize("chunks", [1, 8, "auto"])
+@pytest.mark.parametrize("output", ["loss", "model"], ids=["loss_projects", "model_logits"])
+def test_matches_independent_reference(once, chunks, output):
     """Loss and gradient equal an unpadded per-sample computation of the token mean."""
     samples = instruct_samples([3, 9, 1], [12, 2, 30])
     model = tiny_model()
     ref_loss, ref_grads = reference_step(model, samples)
-    model.set_num_output_chunks(chunks)
-    loss_fn = SummedCrossEntropyLoss(num_output_chunks=chunks, ignore_index=IGNORE)
+    loss_fn = attach_loss(model, chunks, output)
     micro = [collate(samples[:2], pad_to=50), collate(samples[2:])]
     totals = forward_backward(model, loss_fn, micro, device=CPU, backward_once_per_step=once)
     # tokens counted after the shift: one fewer per row than label entries when all are trainable
@@ -108,7 +119,7 @@ def test_count_is_after_shift():
     micro = [{"tokens": torch.tensor([[5, 6, 7]]), "labels": torch.tensor([[5, IGNORE, IGNORE]])},
              collate(text_samples([6]))]
     model = tiny_model()
-    loss_fn = SummedCrossEntropyLoss(num_output_chunks=1, ignore_index=IGNORE)
+    loss_fn = attach_loss(model)
     assert forward_backward(model, loss_fn, micro, device=CPU).num_tokens == 5  # 0 from the first row, 6 - 1 from the second
 
 

@@ -103,6 +103,12 @@ def _one_of(*choices: str) -> Callable[[str, Any], None]:
     return check
 
 
+def check_output_chunks(key: str, value: Any) -> None:
+    """``loss.num_output_chunks``: ``auto`` or a positive integer (:mod:`torchtune_ext.loss`)."""
+    if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ConfigError(key, f"expected auto or a positive integer, got {value!r}")
+
+
 def _component(key: str, value: Any) -> None:
     if not isinstance(value, (dict, DictConfig)) or not isinstance(value.get("_component_"), str):
         raise ConfigError(key, "expected a mapping with a '_component_' entry naming a class or function")
@@ -160,7 +166,7 @@ COMMON_KEYS: Dict[str, Key] = {
     "optimizer": Key(_NO_DEFAULT, _component, required=True),
     "lr_scheduler": Key(None, _optional_component),
     "loss": Key(
-        {"_component_": "torchtune_ext.loss.SummedCrossEntropyLoss", "num_output_chunks": 8},
+        {"_component_": "torchtune_ext.loss.SummedCrossEntropyLoss", "num_output_chunks": "auto"},
         _component,
     ),
     "metric_logger": Key(None, _optional_component),
@@ -202,6 +208,9 @@ COMMON_KEYS: Dict[str, Key] = {
     "loss_spike_nats": Key(3.0, _optional_positive_float),
     "optimizer_in_bwd": Key(False, _boolean),
     "log_every_n_steps": Key(1, _positive_int),
+    # Dense peak TFLOP/s of one device for the mfu metric; null: a table of
+    # common GPUs, or a matmul timed at start-up on CPU (torchtune_ext.flops).
+    "peak_tflops_per_device": Key(None, _optional_positive_float),
     "log_level": Key("INFO", _one_of("DEBUG", "INFO", "WARNING", "ERROR")),
 }
 
@@ -371,6 +380,7 @@ def _check_combinations(cfg: DictConfig, training: bool = True) -> None:
             "is not supported by these recipes: the step's gradient norm and non-finite check must run "
             "before any parameter is updated. For lower memory use backward_once_per_step=false.",
         )
+    check_output_chunks("loss.num_output_chunks", cfg.loss.get("num_output_chunks", "auto"))
     max_seq_len = cfg.tokenizer.get("max_seq_len")
     if max_seq_len is not None and (isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 2):
         raise ConfigError("tokenizer.max_seq_len", f"expected an integer >= 2 (one input and one label), got {max_seq_len!r}")

@@ -243,6 +243,11 @@ class StepData:
         num_real_tokens (int): non-padding input tokens of this rank's samples
             (stand-ins excluded).
         last_in_epoch (bool): no step of the epoch follows this one.
+        padded_squared_lengths (int): sum over this rank's collated rows of
+            the padded row length squared (what attention computes, stand-ins
+            included; for FLOP counts, :mod:`torchtune_ext.flops`).
+        real_squared_lengths (int): sum over this rank's real sequences
+            (samples, or the documents of a pack) of their length squared.
     """
 
     micro_batches: List[Dict[str, Any]]
@@ -251,21 +256,24 @@ class StepData:
     num_padded_positions: int
     num_real_tokens: int
     last_in_epoch: bool = False
+    padded_squared_lengths: int = 0
+    real_squared_lengths: int = 0
 
 
-def _real_length(sample: Sample, ignore_index: int) -> int:
-    """Non-padding tokens of a sample: its length, or for a pack its length less the trailing padding.
+def _real_documents(sample: Sample, ignore_index: int) -> List[int]:
+    """Lengths of the real (non-padding) documents of a sample: its length, or a pack's documents.
 
     torchtune's ``PackedDataset`` pads a pack with one extra ``seq_lens`` entry
     whose labels are all ``ignore_index``; a pack's last document whose labels
     are all masked would be counted as padding too (rare, and it trains nothing).
     """
     if "seq_lens" not in sample:
-        return len(sample["tokens"])
+        return [len(sample["tokens"])]
     seq_lens = [int(n) for n in sample["seq_lens"]]
     tail = torch.as_tensor(sample["labels"])[len(sample["tokens"]) - seq_lens[-1]:]
-    padding = seq_lens[-1] if len(seq_lens) > 1 and bool((tail == ignore_index).all()) else 0
-    return len(sample["tokens"]) - padding
+    if len(seq_lens) > 1 and bool((tail == ignore_index).all()):
+        return seq_lens[:-1]
+    return seq_lens
 
 
 class StepLoader:
@@ -369,19 +377,24 @@ class StepLoader:
         except ValueError as err:
             raise ConfigError("max_tokens_per_micro_batch", f"{err}; raise it, or lower tokenizer.max_seq_len "
                               "so that samples are truncated to fit") from None
-        micro_batches, padded, real = [], 0, 0
+        micro_batches, padded, real, padded_squares, real_squares = [], 0, 0, 0, 0
         for positions in plan[self.dp_rank]:
             if positions:
                 samples = [sample(p) for p in positions]
-                real += sum(_real_length(s, self.ignore_index) for s in samples)
+                documents = [n for s in samples for n in _real_documents(s, self.ignore_index)]
+                real += sum(documents)
+                real_squares += sum(n * n for n in documents)
             else:  # nothing left for this rank in this slot: a stand-in that adds no token
                 known = sorted(cache) or [0]
                 shortest = min(known, key=lambda p: (len(sample(p)["tokens"]), p))
                 samples = [masked_copy(sample(shortest), self.ignore_index)]
             batch = self.collate_fn(samples)
-            padded += batch["tokens"].numel()
+            rows, length = batch["tokens"].shape
+            padded += rows * length
+            padded_squares += rows * length * length
             micro_batches.append(batch)
-        return StepData(micro_batches, len(indices), end_sample, padded, real)
+        return StepData(micro_batches, len(indices), end_sample, padded, real,
+                        padded_squared_lengths=padded_squares, real_squared_lengths=real_squares)
 
 
 def build_step_loader(cfg: Any, tokenizer: Any, *, seed: int, ignore_index: int,

@@ -85,8 +85,9 @@ def shard_model(
         device: this rank's compute device; its type names the mesh.
         cpu_offload: keep sharded parameters, gradients and optimizer state
             on CPU (FSDP2 ``CPUOffloadPolicy``); the optimizer step runs on CPU.
-        reshard_after_forward: free gathered parameters after each block's
-            forward and gather again in backward (less memory, more traffic).
+        reshard_after_forward: free each block's gathered parameters after
+            its forward and gather again in backward (less memory, more
+            traffic). The root unit never reshards after forward (see below).
 
     Returns:
         The FSDP units, root last.
@@ -102,7 +103,13 @@ def shard_model(
     blocks = [m for n, m in model.named_modules() if _is_layer(n)]
     if not blocks:
         raise ValueError("shard_model: no 'layers.<i>' submodule found; is this a torchtune TransformerDecoder?")
-    units = [fully_shard(m, **kwargs) for m in blocks] + [fully_shard(model, **kwargs)]
+    # The root (embeddings, final norm, output projection) stays unsharded from
+    # forward to backward: the loss applies the output projection after the
+    # root's forward and again in backward when it recomputes
+    # (torchtune_ext.loss.SummedCrossEntropyLoss.take_output_projection), and
+    # backward needs these weights first anyway (FSDP2's own default for the root).
+    root_kwargs = {**kwargs, "reshard_after_forward": False}
+    units = [fully_shard(m, **kwargs) for m in blocks] + [fully_shard(model, **root_kwargs)]
     for unit in units:
         # The step loss is already divided by the global token count: sum over
         # ranks, and keep the collective a plain SUM (gloo has no PREMUL_SUM).

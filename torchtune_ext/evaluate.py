@@ -374,7 +374,7 @@ def load_checkpoint_for_evaluation(cfg: DictConfig, dataset_key: Optional[str] =
         model = tt_config.instantiate(cfg.model)
     load_model_state(model, state, str(cfg.checkpointer.checkpoint_dir))
     del state
-    model.set_num_output_chunks(loss_fn.num_output_chunks)
+    loss_fn.take_output_projection(model)  # the model returns hidden states; the loss projects
     return CheckpointEvaluation(cfg, key, model, loss_fn, loader, device)
 
 

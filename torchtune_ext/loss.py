@@ -19,12 +19,14 @@ the counted positions, ``sum / num_tokens`` is the mean over every trainable
 token however the data was split into micro-batches or ranks.
 """
 
+import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 CROSS_ENTROPY_IGNORE_INDEX = -100
 
@@ -91,90 +93,216 @@ class TokenSums:
     metrics: Dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+# How ``num_output_chunks: auto`` sizes the chunks of the output projection
+# (:func:`rows_per_output_chunk`). The fp32 logits of one chunk stay under
+# AUTO_CHUNK_BYTES (a chunk's recompute in backward holds about three such
+# tensors: logits, log-probabilities and their gradient), but a chunk never has
+# fewer than MIN_CHUNK_ROWS rows: below that the [rows, hidden] x [hidden,
+# vocab] product runs far from peak (on the 2-core CPU of docs/benchmarks.md, a
+# 32-row product of SmolLM2's output layer reached 42 GFLOP/s, 1024 rows 85).
+AUTO_CHUNK_BYTES = 256 * 2**20
+MIN_CHUNK_ROWS = 1024
+
+
+def rows_per_output_chunk(num_output_chunks: Union[int, str], num_rows: int, vocab_size: Optional[int]) -> int:
+    """How many trainable positions go through the output projection at once.
+
+    Args:
+        num_output_chunks: an integer ``n``: ``n`` chunks of equal size;
+            ``"auto"``: chunks of ``max(MIN_CHUNK_ROWS, AUTO_CHUNK_BYTES // (4 * vocab_size))``
+            rows, i.e. each chunk's fp32 logits stay under 256 MiB unless that
+            would mean fewer than 1024 rows (SmolLM2, vocabulary 49,152: 1365
+            rows; Llama 3, 128,256: 1024 rows, 501 MiB).
+        num_rows: trainable positions of the micro-batch.
+        vocab_size: output width (None if unknown: ``MIN_CHUNK_ROWS`` rows).
+
+    Returns:
+        int: rows per chunk, >= 1.
+    """
+    if num_output_chunks == "auto":
+        return max(MIN_CHUNK_ROWS, AUTO_CHUNK_BYTES // (4 * vocab_size)) if vocab_size else MIN_CHUNK_ROWS
+    return max(1, math.ceil(num_rows / num_output_chunks))
+
+
+def _output_width(output: Any) -> Optional[int]:
+    """Vocabulary size of a torchtune output projection (``nn.Linear``, LoRA/DoRA linear, ``TiedLinear``)."""
+    for name in ("out_features", "out_dim"):
+        if isinstance(getattr(output, name, None), int):
+            return getattr(output, name)
+    tied = getattr(output, "tied_module", None)
+    weight = getattr(tied, "weight", None) if tied is not None else getattr(output, "weight", None)
+    return int(weight.shape[0]) if weight is not None else None
+
+
 class SummedCrossEntropyLoss(nn.Module):
     """Next-token cross-entropy summed (not averaged) over the trainable positions.
 
-    Supports the chunked output of torchtune's ``TransformerDecoder``
-    (``model.set_num_output_chunks(n)`` returns a list of ``n`` logits chunks
-    split along the sequence): each chunk is upcast to fp32 on its own, and
-    only its trainable rows are, so the full ``[batch, seq_len, vocab]`` fp32
-    tensor never exists at once.
+    Two ways to use it:
 
-    With ``token_metrics`` the same logits also give, under ``no_grad``:
+    * **On logits** (any model that returns them): ``loss(logits, shifted_labels)``,
+      where logits may be a list of chunks as torchtune's ``TransformerDecoder``
+      returns after ``set_num_output_chunks(n)``. Each chunk's trainable rows
+      are upcast to fp32 on their own.
+    * **Owning the output projection** (what the recipes do): after
+      :meth:`take_output_projection`, the model returns its final normed hidden
+      states ``[batch, seq_len, hidden]`` and this loss applies the model's
+      output projection itself, to the trainable positions only (masked
+      prompts and padding cost no vocabulary-wide product) and in chunks of
+      rows (:func:`rows_per_output_chunk`). With ``recompute_output=True`` each
+      chunk's projection and log-softmax run under ``torch.utils.checkpoint``:
+      what a micro-batch keeps for backward is its ``[rows, hidden]`` hidden
+      states, not ``[rows, vocab]`` fp32 log-probabilities, and backward
+      recomputes one chunk at a time (one more forward of the output layer).
+      The training step asks for this when a micro-batch's graph must wait for
+      a later backward (``backward_once_per_step`` with several micro-batches).
+
+    With ``token_metrics`` the same log-probabilities also give, under
+    ``no_grad`` and computed once (never in the recompute):
 
     * ``token_accuracy``: the number of positions whose argmax is the label;
     * ``entropy``: the sum over positions of the entropy of the predicted
-      distribution, ``H = -sum_v p_v log p_v`` in nats (Shannon's definition,
-      computed from the log-softmax the loss needs anyway).
+      distribution, ``H = -sum_v p_v log p_v`` in nats (Shannon's definition).
 
     Args:
-        num_output_chunks (int): number of sequence chunks the model should
-            produce; the recipe passes it to ``model.set_num_output_chunks``.
-            1 means the model returns a single logits tensor.
+        num_output_chunks (int | "auto"): chunks of trainable rows per
+            micro-batch, see :func:`rows_per_output_chunk`. On logits given as
+            a list, the model's chunks are used as they come.
         ignore_index (int): label value excluded from the loss and the count.
         token_metrics (bool): also sum ``token_accuracy`` and ``entropy``.
 
     Shapes:
-        logits: ``[batch, seq_len, vocab]`` or a list of chunks
-        ``[batch, seq_len_i, vocab]`` whose lengths add up to ``seq_len``.
+        outputs: logits ``[batch, seq_len, vocab]`` or a list of chunks
+        ``[batch, seq_len_i, vocab]`` whose lengths add up to ``seq_len``; or,
+        after :meth:`take_output_projection`, hidden states ``[batch, seq_len, hidden]``.
         shifted_labels: ``[batch, seq_len]`` from :func:`shift_labels`.
         output: :class:`TokenSums`; with no trainable position every sum is
         exactly 0 (never NaN) and ``loss`` still reaches every parameter in
         backward (with zero gradient), so data-parallel ranks stay in step.
 
     Raises:
-        ValueError: ``num_output_chunks < 1``; in ``forward``, logits that do
-            not cover the labels' positions.
+        ValueError: ``num_output_chunks`` neither ``"auto"`` nor >= 1; in
+            ``forward``, outputs that do not cover the labels' positions.
     """
 
     def __init__(
         self,
-        num_output_chunks: int = 8,
+        num_output_chunks: Union[int, str] = "auto",
         ignore_index: int = CROSS_ENTROPY_IGNORE_INDEX,
         token_metrics: bool = True,
     ):
         super().__init__()
-        if num_output_chunks < 1:
-            raise ValueError(f"num_output_chunks must be >= 1, got {num_output_chunks}")
+        if num_output_chunks != "auto" and (isinstance(num_output_chunks, bool)
+                                            or not isinstance(num_output_chunks, int) or num_output_chunks < 1):
+            raise ValueError(f"num_output_chunks must be 'auto' or an integer >= 1, got {num_output_chunks!r}")
         self.num_output_chunks = num_output_chunks
         self.ignore_index = ignore_index
         self.token_metrics = token_metrics
+        # The model's output projection once taken over. A plain function, not
+        # an attribute holding the module: nn.Module would register the model's
+        # output layer as a submodule of the loss.
+        self._project: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+        self.vocab_size: Optional[int] = None
 
     @property
     def metric_names(self) -> Tuple[str, ...]:
         """Names of the metric sums every ``forward`` returns, in a fixed order."""
         return TOKEN_METRICS if self.token_metrics else ()
 
-    def _chunk_sums(self, logits: torch.Tensor, labels: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-        trainable = labels != self.ignore_index
-        # Only trainable rows: masked prompts and padding cost no softmax.
-        rows = logits[trainable].float()
-        targets = labels[trainable]
-        log_probs = torch.log_softmax(rows, dim=-1)
-        loss = F.nll_loss(log_probs, targets, reduction="sum")
-        if not self.token_metrics:
-            return (loss,)
-        with torch.no_grad():
-            correct = (rows.argmax(dim=-1) == targets).sum(dtype=torch.float32)
-            entropy = -(log_probs.exp() * log_probs).sum(dtype=torch.float32)
-        return loss, correct, entropy
+    @property
+    def owns_output_projection(self) -> bool:
+        """True after :meth:`take_output_projection`: ``forward`` expects hidden states."""
+        return self._project is not None
+
+    def take_output_projection(self, model: nn.Module) -> None:
+        """Let this loss apply ``model``'s output projection; the model returns hidden states.
+
+        The model must be a torchtune ``TransformerDecoder`` (``norm``,
+        ``output``, ``unembed``). Its ``unembed`` is overridden on this
+        instance only: ``model(tokens)`` returns ``norm(h)``, ``[batch,
+        seq_len, hidden]``, in the model's dtype. The weights, the state dict
+        and checkpoints are unchanged; the output projection (an
+        ``nn.Linear``, a LoRA/DoRA linear, or ``TiedLinear`` sharing the token
+        embedding) is called here, so its parameters train as before. Call it
+        once, before the first forward; under FSDP2 the root unit, which holds
+        the output projection, must not reshard after forward
+        (:func:`torchtune_ext.distributed.shard_model` sees to that).
+
+        Raises:
+            TypeError: ``model`` has no ``norm`` / ``output`` / ``unembed``.
+        """
+        if not all(hasattr(model, name) for name in ("norm", "output", "unembed")):
+            raise TypeError(f"{type(model).__name__} is not a torchtune TransformerDecoder "
+                            "(needs norm, output and unembed)")
+        output, norm = model.output, model.norm
+        model.unembed = lambda h: norm(h)  # instance attribute: the class's unembed is untouched
+        self._project = lambda rows: output(rows)
+        self.vocab_size = _output_width(output)
+
+    def _log_probs(self, rows: torch.Tensor) -> torch.Tensor:
+        """``[rows, vocab]`` fp32 log-probabilities of ``[rows, hidden]`` hidden states or ``[rows, vocab]`` logits."""
+        if self._project is not None:
+            rows = self._project(rows)
+        return torch.log_softmax(rows.float(), dim=-1)
 
     def compile_chunk(self) -> None:
-        """Compile the per-chunk sums with ``torch.compile`` (used by ``compile: true``)."""
-        self._chunk_sums = torch.compile(self._chunk_sums, dynamic=True)
+        """Compile the per-chunk projection and log-softmax with ``torch.compile`` (``compile: true``)."""
+        self._log_probs = torch.compile(self._log_probs, dynamic=True)
 
-    def forward(self, logits: Union[torch.Tensor, List[torch.Tensor]], shifted_labels: torch.Tensor) -> TokenSums:
-        if isinstance(logits, torch.Tensor):
-            logits = [logits]
-        lengths = [chunk.size(1) for chunk in logits]
+    def _chunk_sums(self, log_probs: torch.Tensor, targets: torch.Tensor) -> List[torch.Tensor]:
+        # Indexing saves only the indices for backward (nll_loss would keep the
+        # whole [rows, vocab] log_probs alive until backward).
+        picked = log_probs[torch.arange(targets.numel(), device=targets.device), targets]
+        sums = [-picked.sum(dtype=torch.float32)]
+        if self.token_metrics:
+            with torch.no_grad():
+                sums.append((log_probs.argmax(dim=-1) == targets).sum(dtype=torch.float32))
+                sums.append(-(log_probs.exp() * log_probs).sum(dtype=torch.float32))
+        return sums
+
+    def forward(self, outputs: Union[torch.Tensor, List[torch.Tensor]], shifted_labels: torch.Tensor,
+                recompute_output: bool = False) -> TokenSums:
+        """Sums over the trainable positions; see the class docstring.
+
+        Args:
+            outputs: logits (or chunks of them), or hidden states after
+                :meth:`take_output_projection`.
+            shifted_labels: ``[batch, seq_len]``.
+            recompute_output: with hidden states and gradients enabled,
+                recompute each chunk's projection in backward instead of
+                keeping its log-probabilities.
+        """
+        if self._project is not None:
+            if not isinstance(outputs, torch.Tensor) or outputs.dim() != 3:
+                raise ValueError("after take_output_projection the model must return hidden states "
+                                 "[batch, seq_len, hidden]")
+            pieces = [outputs]
+        else:
+            pieces = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
+        lengths = [piece.size(1) for piece in pieces]
         if sum(lengths) != shifted_labels.size(1):
-            raise ValueError(
-                f"logits cover {sum(lengths)} positions but labels have {shifted_labels.size(1)}"
-            )
+            raise ValueError(f"outputs cover {sum(lengths)} positions but labels have {shifted_labels.size(1)}")
         totals = [torch.zeros((), dtype=torch.float32, device=shifted_labels.device)
                   for _ in range(1 + len(self.metric_names))]
-        for chunk, labels in zip(logits, shifted_labels.split(lengths, dim=1)):
-            totals = [total + part for total, part in zip(totals, self._chunk_sums(chunk, labels))]
+        checkpointed = recompute_output and self._project is not None and torch.is_grad_enabled()
+        for piece, labels in zip(pieces, shifted_labels.split(lengths, dim=1)):
+            trainable = labels != self.ignore_index
+            # Only trainable rows: masked prompts and padding cost no softmax (and no projection).
+            rows, targets = piece[trainable], labels[trainable]
+            if len(pieces) == 1:
+                vocab = self.vocab_size if self._project is not None else piece.size(-1)
+                size = rows_per_output_chunk(self.num_output_chunks, rows.size(0), vocab)
+            else:  # the model's own chunks, as they come
+                size = max(rows.size(0), 1)
+            # An empty split still yields one empty chunk: its zero loss keeps the graph
+            # connected to every parameter (data-parallel ranks run the same backward).
+            for chunk_rows, chunk_targets in zip(rows.split(size), targets.split(size)):
+                if checkpointed:
+                    # The recompute replays the forward's RNG state: a LoRA output's dropout draws the same mask.
+                    log_probs = checkpoint(self._log_probs, chunk_rows, use_reentrant=False, preserve_rng_state=True)
+                else:
+                    log_probs = self._log_probs(chunk_rows)
+                totals = [total + part for total, part in zip(totals, self._chunk_sums(log_probs, chunk_targets))]
+                del log_probs
         return TokenSums(loss=totals[0], metrics=dict(zip(self.metric_names, totals[1:])))
 
 
@@ -204,16 +332,18 @@ def build_loss(cfg_loss, compile: bool = False) -> SummedCrossEntropyLoss:
     Raises:
         ConfigError: (key ``loss``) if it is neither ours nor a torchtune
             cross-entropy we can replace, or has arguments we cannot honour
-            (e.g. ``reduction``, ``label_smoothing``, class weights).
+            (e.g. ``reduction``, ``label_smoothing``, class weights);
+            (``loss.num_output_chunks``) neither ``auto`` nor a positive integer.
     """
     import logging
 
     from omegaconf import OmegaConf
     from torchtune import config as tt_config
 
-    from torchtune_ext.config import ConfigError
+    from torchtune_ext.config import ConfigError, check_output_chunks
 
     component = str(cfg_loss.get("_component_"))
+    check_output_chunks("loss.num_output_chunks", cfg_loss.get("num_output_chunks", "auto"))
     if component in _TORCHTUNE_CE_LOSSES:
         args = {k: v for k, v in OmegaConf.to_container(cfg_loss).items() if k != "_component_"}
         unsupported = sorted(set(args) - set(_TORCHTUNE_CE_LOSSES[component]))

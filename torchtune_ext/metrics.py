@@ -19,9 +19,14 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 import torch
 from omegaconf import DictConfig
 from torchtune import config as tt_config
+from torchtune import utils
 
+from torchtune_ext import flops as flops_lib
 from torchtune_ext.config import enabled
+from torchtune_ext.flops import ModelFlops
 from torchtune_ext.step import StepResult
+
+log = utils.get_logger("INFO")  # torchtune's: the recipes show its INFO lines
 
 GIB = 1024**3
 
@@ -165,6 +170,9 @@ def step_record(
     dp_world_size: int = 1,
     skipped_steps: int = 0,
     tokens_seen: int = 0,
+    data: Optional[Any] = None,
+    flops: Optional[ModelFlops] = None,
+    peak_tflops: Optional[float] = None,
 ) -> Dict[str, Any]:
     """The metrics of one optimizer step, as logged by every recipe.
 
@@ -180,6 +188,17 @@ def step_record(
     (cumulative), ``tokens_seen`` (cumulative ``num_tokens`` of the steps that
     updated the model: an x axis comparable across batch sizes), and with
     ``dp_world_size > 1`` also ``dp_world_size`` and ``tokens_per_second_per_device``.
+
+    With ``data`` (this rank's
+    :class:`torchtune_ext.data.StepData`): ``padding_fraction`` (positions
+    computed that are padding, stand-ins included, over all positions
+    computed), and with ``flops`` (:class:`torchtune_ext.flops.ModelFlops`)
+    ``tflops_per_device`` (model FLOPs of every position computed, padding
+    included, per second of this step; :mod:`torchtune_ext.flops`) and
+    ``useful_tflops_per_device`` (the same for the non-padding tokens only),
+    and with ``peak_tflops`` their ratios to it, ``mfu`` and ``useful_mfu``.
+    Per-device numbers are this rank's (rank 0 logs; the data plan balances
+    the ranks).
     """
     record: Dict[str, Any] = {"step": step, "epoch": epoch}
     if result.skipped is None:
@@ -195,6 +214,16 @@ def step_record(
         skipped_steps=skipped_steps,
         tokens_seen=tokens_seen,
     )
+    if data is not None and data.num_padded_positions > 0:
+        record["padding_fraction"] = 1.0 - data.num_real_tokens / data.num_padded_positions
+        if flops is not None and step_seconds > 0:
+            computed = flops.step_flops(data.num_padded_positions, data.padded_squared_lengths)
+            useful = flops.step_flops(data.num_real_tokens, data.real_squared_lengths)
+            record["tflops_per_device"] = computed / step_seconds / 1e12
+            record["useful_tflops_per_device"] = useful / step_seconds / 1e12
+            if peak_tflops:
+                record["mfu"] = record["tflops_per_device"] / peak_tflops
+                record["useful_mfu"] = record["useful_tflops_per_device"] / peak_tflops
     if dp_world_size > 1:
         record["dp_world_size"] = dp_world_size
         record["tokens_per_second_per_device"] = record["tokens_per_second"] / dp_world_size
@@ -344,15 +373,29 @@ class StepReporter:
         initial_step (int): steps already done (resume).
         log_every_n_steps (int): log every n-th step's record.
         dp_world_size (int): data-parallel ranks; the bar shows on rank 0 only.
+        model: the training model, for the FLOP count (None: no FLOP metrics).
+        dtype: the compute dtype, for the peak.
+        peak_tflops_per_device (float, optional): the config's peak; None: see
+            :func:`torchtune_ext.flops.peak_tflops_per_device` (measured on
+            rank 0 only; an unknown GPU means no ``mfu``, with one warning).
     """
 
     def __init__(self, logger: MetricLogger, device: torch.device, *, total_steps: int, initial_step: int = 0,
-                 log_every_n_steps: int = 1, dp_world_size: int = 1, rank: int = 0):
+                 log_every_n_steps: int = 1, dp_world_size: int = 1, rank: int = 0,
+                 model: Optional[torch.nn.Module] = None, dtype: Optional[torch.dtype] = None,
+                 peak_tflops_per_device: Optional[float] = None):
         from tqdm import tqdm
 
         self._logger, self._device = logger, device
         self._log_every, self._dp_world_size = log_every_n_steps, dp_world_size
         self._timer = StepTimer(device)
+        self._flops = ModelFlops.from_model(model) if model is not None else None
+        self._peak = None
+        if self._flops is not None and rank == 0:
+            self._peak, source = flops_lib.peak_tflops_per_device(device, dtype or torch.float32,
+                                                                  peak_tflops_per_device)
+            if self._peak is not None:
+                log.info("MFU against %.3g TFLOP/s per device (%s).", self._peak, source)
         self._bar = tqdm(total=total_steps, initial=initial_step, dynamic_ncols=True, disable=rank != 0)
 
     def start_step(self) -> None:
@@ -360,11 +403,11 @@ class StepReporter:
         self._timer.start()
 
     def end_step(self, result: StepResult, *, step: int, epoch: int, lr: float, skipped_steps: int,
-                 tokens_seen: int = 0) -> Dict[str, Any]:
+                 tokens_seen: int = 0, data: Optional[Any] = None) -> Dict[str, Any]:
         """Build the step's record (see :func:`step_record`), log it if due, advance the bar."""
         record = step_record(result, step=step, epoch=epoch, lr=lr, step_seconds=self._timer.stop(),
                              device=self._device, dp_world_size=self._dp_world_size, skipped_steps=skipped_steps,
-                             tokens_seen=tokens_seen)
+                             tokens_seen=tokens_seen, data=data, flops=self._flops, peak_tflops=self._peak)
         if step % self._log_every == 0:
             self._logger.log(record)
         self._bar.update(1)

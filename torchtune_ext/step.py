@@ -15,10 +15,13 @@ Order of work, the same in both backward modes:
    spikes), optimizer step, a check that the parameters are still finite.
 
 ``backward_once_per_step=True`` keeps the graphs of all micro-batches and
-calls backward once on the accumulated sum; ``False`` calls backward after
-each micro-batch (activation memory independent of the number of
-micro-batches) and, under FSDP2, syncs gradients only on the last one.
-Both produce the same gradients up to floating-point summation order.
+calls backward once on the accumulated sum (the loss recomputes its output
+projection in backward, so no graph keeps vocabulary-wide logits; a
+:class:`torchtune_ext.memory.MemoryGuard` switches a step that would not fit
+to the other mode); ``False`` calls backward after each micro-batch
+(activation memory independent of the number of micro-batches) and, under
+FSDP2, syncs gradients only on the last one. Both produce the same gradients
+up to floating-point summation order.
 
 Data parallelism: each rank's loss is its *local* sum divided by the
 *global* token count, so the gradient of the step loss is the SUM of the
@@ -35,9 +38,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from torchtune_ext.accounting import TokenTally, TokenTotals
+from torchtune_ext.accounting import TokenTally, TokenTotals, dp_is_active, global_sum
 from torchtune_ext.health import NonFiniteError, StepHealth, TrainingHealthError  # noqa: F401 (re-exported)
 from torchtune_ext.loss import SummedCrossEntropyLoss, TokenSums, shift_labels
+from torchtune_ext.memory import MemoryGuard, shapes_of
 
 log = logging.getLogger(__name__)
 
@@ -114,11 +118,50 @@ def prepare_micro_batch(
 
 
 def forward_sums(model: nn.Module, loss_fn: SummedCrossEntropyLoss, inputs: MicroBatch,
-                 shifted_labels: torch.Tensor) -> TokenSums:
-    """Forward one prepared micro-batch and return the loss's sums over its trainable tokens."""
+                 shifted_labels: torch.Tensor, recompute_output: bool = False) -> TokenSums:
+    """Forward one prepared micro-batch and return the loss's sums over its trainable tokens.
+
+    ``recompute_output``: the graph will wait for a later backward, so the
+    loss should keep hidden states rather than vocabulary-wide log-probabilities
+    (see :class:`torchtune_ext.loss.SummedCrossEntropyLoss`).
+    """
     inputs = dict(inputs)
     tokens = inputs.pop("tokens")
-    return loss_fn(model(tokens, **inputs), shifted_labels)
+    return loss_fn(model(tokens, **inputs), shifted_labels, recompute_output=recompute_output)
+
+
+def _backward_once(model, loss_fn, prepared, tally: TokenTally, num_tokens: int) -> None:
+    """Forward every micro-batch, keep the graphs, one backward on the step's sum / tokens."""
+    step_loss = 0
+    for inputs, labels in prepared:
+        # The graph waits for the step's backward: keep hidden states, not log-probabilities.
+        sums = forward_sums(model, loss_fn, inputs, labels, recompute_output=True)
+        tally.add(sums)
+        step_loss = step_loss + sums.loss
+    (step_loss / num_tokens).backward()
+
+
+def _backward_per_micro_batch(model, loss_fn, prepared, tally: TokenTally, num_tokens: int) -> None:
+    """Forward and backward each micro-batch on its sum / step tokens; FSDP2 syncs after the last."""
+    can_defer_sync = hasattr(model, "set_requires_gradient_sync")
+    last = len(prepared) - 1
+    for i, (inputs, labels) in enumerate(prepared):
+        if can_defer_sync:
+            # FSDP2: reduce-scatter once per step, after the last micro-batch.
+            model.set_requires_gradient_sync(i == last)
+        sums = forward_sums(model, loss_fn, inputs, labels)
+        (sums.loss / num_tokens).backward()
+        tally.add(sums)
+    if can_defer_sync:
+        model.set_requires_gradient_sync(True)
+
+
+def _agree(flag: bool, device: torch.device, dp_group) -> bool:
+    """True on every rank only if ``flag`` is True on every rank (one tiny all-reduce)."""
+    if not dp_is_active(dp_group):
+        return flag
+    vetoes = torch.tensor(0 if flag else 1, dtype=torch.int64, device=device)
+    return int(global_sum(vetoes, dp_group).item()) == 0
 
 
 def forward_backward(
@@ -129,8 +172,23 @@ def forward_backward(
     device: torch.device,
     backward_once_per_step: bool = True,
     dp_group=None,
+    memory_guard: Optional[MemoryGuard] = None,
+    step: int = 0,
 ) -> TokenTotals:
     """Accumulate the normalized gradient of one optimizer step.
+
+    With ``backward_once_per_step`` and more than one micro-batch, the step
+    keeps every micro-batch's graph until one backward; the loss then
+    recomputes its output projection in backward so that what each graph
+    keeps is O(tokens x hidden), not O(tokens x vocab). If ``memory_guard``
+    estimates that even so the step would not fit in the memory available,
+    the step runs backward per micro-batch instead (same gradients; the
+    decision is the same on every rank; one log line when the mode changes).
+    In a single process, an out-of-memory error (``torch.OutOfMemoryError``,
+    raised by CUDA) during the once-per-step attempt is caught: gradients are
+    dropped, the RNG state is restored, and the step is redone per
+    micro-batch (logged). With several ranks it is not caught: the other
+    ranks would be waiting in a collective.
 
     Args:
         model: torchtune ``TransformerDecoder`` (possibly LoRA, FSDP2-sharded);
@@ -142,6 +200,8 @@ def forward_backward(
         backward_once_per_step: one backward on the accumulated sum (True) or
             one backward per micro-batch (False).
         dp_group: data-parallel process group (None: default group, or none).
+        memory_guard: decides whether once per step fits (None: always try).
+        step (int): optimizer step number, for log lines.
 
     Returns:
         TokenTotals: the step's global and local trainable token counts and
@@ -150,35 +210,61 @@ def forward_backward(
         is global) and every sum is 0.
     """
     tally = TokenTally(loss_fn.metric_names, device, loss_fn.ignore_index)
-    prepared = []
+    prepared, counts = [], []
     for micro_batch in micro_batches:
         inputs, labels = prepare_micro_batch(micro_batch, device, loss_fn.ignore_index)
-        tally.count(labels)
+        counts.append(tally.count(labels))
         prepared.append((inputs, labels))
     num_tokens = tally.global_num_tokens(dp_group)
     if num_tokens == 0:
         return TokenTotals(0, 0, dict.fromkeys(tally.names, 0.0))
 
-    can_defer_sync = hasattr(model, "set_requires_gradient_sync")
-    if backward_once_per_step:
-        step_loss = 0
-        for inputs, labels in prepared:
-            sums = forward_sums(model, loss_fn, inputs, labels)
-            tally.add(sums)
-            step_loss = step_loss + sums.loss
-        (step_loss / num_tokens).backward()
-    else:
-        last = len(prepared) - 1
-        for i, (inputs, labels) in enumerate(prepared):
-            if can_defer_sync:
-                # FSDP2: reduce-scatter once per step, after the last micro-batch.
-                model.set_requires_gradient_sync(i == last)
-            sums = forward_sums(model, loss_fn, inputs, labels)
-            (sums.loss / num_tokens).backward()
-            tally.add(sums)
-        if can_defer_sync:
-            model.set_requires_gradient_sync(True)
+    # One micro-batch: its graph waits for no other, both modes are the same.
+    once = backward_once_per_step and len(prepared) > 1
+    if once and memory_guard is not None:
+        shapes = shapes_of(prepared, counts)
+        once = _agree(memory_guard.fits_once_per_step(shapes), device, dp_group)
+        memory_guard.report(once, shapes, step)
+    if not once:
+        _backward_per_micro_batch(model, loss_fn, prepared, tally, num_tokens)
+        return tally.totals(dp_group)
+    if dp_is_active(dp_group):
+        _backward_once(model, loss_fn, prepared, tally, num_tokens)
+        return tally.totals(dp_group)
+
+    rng = _rng_state(device)
+    try:
+        _backward_once(model, loss_fn, prepared, tally, num_tokens)
+        return tally.totals(dp_group)
+    except torch.OutOfMemoryError:
+        pass  # handled below, once the exception (and the graph its traceback holds) is gone
+    log.warning("Optimizer step %d: out of memory with backward once per step; redoing the step with a "
+                "backward per micro-batch (same gradients).", step)
+    for param in model.parameters():
+        param.grad = None
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if memory_guard is not None:
+        memory_guard.note_out_of_memory(shapes_of(prepared, counts))
+        memory_guard.once_per_step = False
+    _set_rng_state(device, rng)
+    tally = TokenTally(loss_fn.metric_names, device, loss_fn.ignore_index)
+    for _inputs, labels in prepared:
+        tally.count(labels)
+    _backward_per_micro_batch(model, loss_fn, prepared, tally, num_tokens)
     return tally.totals(dp_group)
+
+
+def _rng_state(device: torch.device):
+    """The RNG states a redone step must start from (dropout draws the same masks again)."""
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(device: torch.device, state) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
 
 
 _NORM_BLOCK = 1024
@@ -258,6 +344,7 @@ def train_step(
     health: Optional[StepHealth] = None,
     step: int = 0,
     dp_group=None,
+    memory_guard: Optional[MemoryGuard] = None,
 ) -> StepResult:
     """Run one optimizer step over ``micro_batches`` (see the module docstring).
 
@@ -272,6 +359,8 @@ def train_step(
             (:class:`torchtune_ext.health.StepHealth`, which keeps a loss
             history and decides about non-finite steps); None: a fresh one
             that stops at any sign.
+        memory_guard (MemoryGuard, optional): falls back to a backward per
+            micro-batch when once per step would not fit (see :func:`forward_backward`).
         Other arguments as in :func:`forward_backward`.
 
     Returns:
@@ -286,8 +375,8 @@ def train_step(
     """
     health = health if health is not None else StepHealth(start_step=max(step - 1, 0))
     totals = forward_backward(
-        model, loss_fn, micro_batches, device=device,
-        backward_once_per_step=backward_once_per_step, dp_group=dp_group,
+        model, loss_fn, micro_batches, device=device, backward_once_per_step=backward_once_per_step,
+        dp_group=dp_group, memory_guard=memory_guard, step=step,
     )
     num_tokens, local_num_tokens = totals.num_tokens, totals.local_num_tokens
     if num_tokens == 0:

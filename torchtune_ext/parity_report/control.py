@@ -38,12 +38,14 @@ def mean_of_means_forward_backward(
     device: torch.device,
     backward_once_per_step: bool = True,
     dp_group=None,
+    **_ignored,
 ) -> TokenTotals:
     """Drop-in for :func:`torchtune_ext.step.forward_backward` with the inexact normalization.
 
     Backward runs on ``(summed_loss_i / tokens_i) / M`` for each of the ``M``
     micro-batches of the step (in both backward modes: the bug does not depend
-    on the mode). A micro-batch with no trainable token is left out of the
+    on the mode). Other keyword arguments of ``forward_backward`` (``memory_guard``,
+    ``step``) are accepted and ignored: there is nothing for the guard to decide. A micro-batch with no trainable token is left out of the
     sum; the common recipe would produce NaN there (0 / 0), which would hide
     the weighting error this control is meant to show.
 

@@ -1,0 +1,352 @@
+"""Will backward once per optimizer step fit? An estimate before each step.
+
+``backward_once_per_step`` keeps every micro-batch's autograd graph until the
+step's one backward, so its activation memory grows with the number of
+micro-batches; the per-micro-batch backward gives the same gradients with the
+memory of one micro-batch. :class:`MemoryGuard` estimates, before any forward
+of a step, what the once-per-step backward would hold at its peak, compares
+it with the memory free on the device, and lets the step fall back to the
+per-micro-batch backward when it would not fit (one log line when the mode
+changes). The estimate is an upper bound by design: falling back costs little
+(the same work, one backward per micro-batch); running out of memory costs the
+run (on CPU the kernel kills the process; a CUDA out-of-memory error is caught
+by the training step and the step redone per micro-batch, single process only).
+
+What one micro-batch keeps for backward (:func:`activation_bytes`) was counted
+for torchtune's ``TransformerSelfAttentionLayer`` (RMSNorm, GQA attention with
+RoPE and SDPA, SwiGLU MLP) by summing the distinct tensors autograd saves,
+with ``torch.autograd.graph.saved_tensors_hooks``, over hidden width, MLP
+width, heads, LoRA rank and dropout, fp32 and bf16; ``tests/test_memory.py``
+checks the formula against such counts.
+"""
+
+import os
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence
+
+import torch
+from torch import nn
+from torchtune import utils
+
+# torchtune's logger: the recipes' INFO lines show, so a mode change is seen in the run's output
+log = utils.get_logger("INFO")
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class MicroBatchShape:
+    """What the estimate needs to know about one micro-batch.
+
+    Attributes:
+        batch (int): rows of ``tokens``.
+        seq_len (int): columns of ``tokens`` (padded length).
+        trainable_rows (int): positions with a trainable label (after the shift).
+        masked (bool): an explicit attention mask is passed (packed data): SDPA
+            then keeps a ``[batch, heads, seq, seq]`` mask for backward.
+    """
+
+    batch: int
+    seq_len: int
+    trainable_rows: int
+    masked: bool = False
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a torchtune ``TransformerDecoder`` that set its activation memory.
+
+    Attributes:
+        num_layers, hidden_dim, num_heads, intermediate_dim, vocab_size: the architecture.
+        element_bytes (int): bytes per activation element (2 for bf16, 4 for fp32).
+        activation_checkpointing (bool): layers keep only their input for backward.
+        lora_bytes_per_token (int): what the adapters of one layer add per token
+            (see :func:`model_shape`).
+        lora_bytes_per_layer (int): what they add per layer whatever the
+            tokens (DoRA builds its adapter's weight from an identity matrix).
+        gradient_bytes (int): gradients of the trainable parameters on this rank.
+        optimizer_state_bytes (int): optimizer state still to be allocated by
+            the first ``optimizer.step()`` (0 once it exists).
+    """
+
+    num_layers: int
+    hidden_dim: int
+    num_heads: int
+    intermediate_dim: int
+    vocab_size: int
+    element_bytes: int = 4
+    activation_checkpointing: bool = False
+    lora_bytes_per_token: int = 0
+    lora_bytes_per_layer: int = 0
+    gradient_bytes: int = 0
+    optimizer_state_bytes: int = 0
+
+
+def layer_bytes_per_token(shape: ModelShape, seq_len: int = 0, masked: bool = False) -> int:
+    """Bytes one transformer layer keeps for backward per token (no activation checkpointing).
+
+    Fitted to counts of the tensors autograd saves in torchtune's Llama-style
+    layer (see the module docstring), exact for fp32 and bf16:
+    ``4 * (4 * hidden + heads + 2)`` in fp32 (RMSNorm computes in fp32: four
+    hidden-wide tensors and one scale per norm; SDPA's log-sum-exp per head),
+    plus ``e * (6 * hidden + 4 * intermediate)`` in the activation dtype of
+    ``e`` bytes (the attention's and the MLP's normed inputs, q, k and v with
+    k and v expanded to every head, the attention output; four SwiGLU
+    tensors). With an explicit attention mask, ``heads * seq_len * e`` more
+    (SDPA keeps the mask per head; an upper bound for a boolean one).
+    Adapters add ``lora_bytes_per_token``.
+
+    Returns:
+        int: bytes per token per layer.
+    """
+    d, i, h, e = shape.hidden_dim, shape.intermediate_dim, shape.num_heads, shape.element_bytes
+    total = 4 * (4 * d + h + 2) + e * (6 * d + 4 * i) + shape.lora_bytes_per_token
+    if masked:
+        total += h * seq_len * e
+    return total
+
+
+def activation_bytes(shape: ModelShape, micro_batch: MicroBatchShape, recompute_output: bool) -> int:
+    """Bytes one micro-batch's forward keeps alive until its backward.
+
+    The layers (:func:`layer_bytes_per_token`, or only each layer's input with
+    activation checkpointing), the token embedding's output and the final
+    norm (``8 * hidden + 12`` per token), and the loss: the trainable rows'
+    hidden states with ``recompute_output`` (:class:`torchtune_ext.loss.SummedCrossEntropyLoss`),
+    else their fp32 log-probabilities (``4 * vocab`` per row), plus 32 bytes
+    of indices per row.
+
+    Returns:
+        int: bytes.
+    """
+    tokens = micro_batch.batch * micro_batch.seq_len
+    if shape.activation_checkpointing:
+        per_layer = shape.element_bytes * shape.hidden_dim
+    else:
+        per_layer = layer_bytes_per_token(shape, micro_batch.seq_len, micro_batch.masked)
+    layers = shape.num_layers * (tokens * per_layer + shape.lora_bytes_per_layer)
+    base = tokens * (8 * shape.hidden_dim + 12)
+    # per trainable row, besides the hidden state or log-probabilities: the
+    # int64 positions and targets the row selections keep (32 bytes)
+    if recompute_output:
+        loss = micro_batch.trainable_rows * (shape.hidden_dim * shape.element_bytes + 32)
+    else:
+        loss = micro_batch.trainable_rows * (shape.vocab_size * 4 + 32)
+    return layers + base + loss
+
+
+def backward_transient_bytes(shape: ModelShape, micro_batches: Sequence[MicroBatchShape], chunk_rows: int) -> int:
+    """Memory a backward adds on top of what the forwards kept.
+
+    The gradients (allocated during backward: the step sets them to None
+    after the optimizer step), the optimizer state the first step allocates,
+    one output chunk recomputed (logits, log-probabilities and their gradient:
+    ``3 * 4 * vocab`` per row) and, with activation checkpointing, one
+    layer's activations recomputed for the largest micro-batch.
+    """
+    total = shape.gradient_bytes + shape.optimizer_state_bytes + 3 * 4 * shape.vocab_size * chunk_rows
+    if shape.activation_checkpointing and micro_batches:
+        largest = max(micro_batches, key=lambda mb: mb.batch * mb.seq_len)
+        total += largest.batch * largest.seq_len * layer_bytes_per_token(shape, largest.seq_len, largest.masked)
+    return total
+
+
+def step_peak_bytes(shape: ModelShape, micro_batches: Sequence[MicroBatchShape], *, once_per_step: bool) -> int:
+    """Estimated peak memory of a step's forwards and backwards, beyond what is allocated before it.
+
+    ``once_per_step``: every micro-batch's graph is kept (output recomputed)
+    until the one backward; otherwise one micro-batch's graph (output kept)
+    at a time.
+    """
+    if not micro_batches:
+        return 0
+    from torchtune_ext.loss import rows_per_output_chunk
+
+    chunk_rows = min(max(mb.trainable_rows for mb in micro_batches),
+                     rows_per_output_chunk("auto", 0, shape.vocab_size))
+    if once_per_step:
+        kept = sum(activation_bytes(shape, mb, recompute_output=True) for mb in micro_batches)
+    else:
+        kept = max(activation_bytes(shape, mb, recompute_output=False) for mb in micro_batches)
+    return kept + backward_transient_bytes(shape, micro_batches, chunk_rows)
+
+
+def _cgroup_headroom() -> Optional[int]:
+    """Bytes left under this process's cgroup v2 memory limit, None without one."""
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        if limit == "max":
+            return None
+        with open("/sys/fs/cgroup/memory.current") as f:
+            return max(int(limit) - int(f.read().strip()), 0)
+    except (OSError, ValueError):
+        return None
+
+
+def available_memory_bytes(device: torch.device) -> Optional[int]:
+    """Memory this process could still allocate on ``device``, in bytes; None if unknown.
+
+    CUDA: free device memory (``torch.cuda.mem_get_info``) plus what
+    PyTorch's caching allocator holds but does not use. CPU: ``MemAvailable``
+    of ``/proc/meminfo`` (Linux), or less if a cgroup v2 memory limit is closer,
+    divided among the job's processes on this host (``LOCAL_WORLD_SIZE``).
+    """
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+    available = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    headroom = _cgroup_headroom()
+    if headroom is not None:
+        available = headroom if available is None else min(available, headroom)
+    # Processes of one job on this host share its memory (torchrun sets LOCAL_WORLD_SIZE).
+    local_processes = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
+    return None if available is None else available // local_processes
+
+
+def _local_numel(param: torch.Tensor) -> int:
+    to_local = getattr(param, "to_local", None)  # an FSDP2 shard (DTensor): this rank's part
+    return to_local().numel() if to_local is not None else param.numel()
+
+
+def model_shape(model: nn.Module, activation_dtype: Optional[torch.dtype] = None,
+                optimizer: Optional[torch.optim.Optimizer] = None) -> Optional[ModelShape]:
+    """Read a :class:`ModelShape` off a torchtune ``TransformerDecoder`` (possibly LoRA, FSDP2, on meta).
+
+    Adapters (torchtune's ``LoRALinear`` / ``DoRALinear``, found by their
+    ``lora_a``) add, per adapted linear and token, the rank (``lora_a``'s
+    output), the input again with dropout (``in_dim`` plus a 1-byte mask),
+    and for DoRA the input and output once more, and per layer, whatever the
+    tokens, an identity matrix and its ``lora_a`` image (``in_dim * (in_dim +
+    rank)``; measured, see the module docstring). The optimizer state yet to be allocated counts 2 tensors per
+    trainable parameter (Adam's moments) while ``optimizer.state`` is empty.
+
+    Returns:
+        ModelShape, or None when ``model`` is not a layered decoder this
+        module knows (no guard then).
+    """
+    layers = getattr(model, "layers", None)
+    if not layers:
+        return None
+    layer = layers[0]
+    attn, mlp = getattr(layer, "attn", None), getattr(layer, "mlp", None)
+    w1 = getattr(mlp, "w1", None)
+    if attn is None or w1 is None:
+        return None
+    e = torch.finfo(activation_dtype or next(model.parameters()).dtype).bits // 8
+    lora = lora_fixed = 0
+    for module in layer.modules():
+        if hasattr(module, "lora_a") and hasattr(module, "in_dim"):
+            rank = module.lora_a.out_features
+            lora += e * rank
+            if not isinstance(getattr(module, "dropout", None), nn.Identity):
+                lora += (e + 1) * module.in_dim
+            if hasattr(module, "magnitude"):
+                lora += e * (module.in_dim + module.out_dim)
+                lora_fixed += e * module.in_dim * (module.in_dim + rank)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    gradient_bytes = sum(_local_numel(p) * p.element_size() for p in trainable)
+    from torchtune_ext.loss import _output_width
+
+    vocab = _output_width(getattr(model, "output", None)) or model.tok_embeddings.num_embeddings
+    checkpointed = any("checkpoint" in type(m).__name__.lower() for m in layer.modules()) or \
+        "checkpoint" in type(layer).__name__.lower()
+    return ModelShape(
+        num_layers=len(layers), hidden_dim=attn.embed_dim, num_heads=attn.num_heads,
+        intermediate_dim=w1.out_features if hasattr(w1, "out_features") else w1.out_dim,
+        vocab_size=vocab, element_bytes=e, activation_checkpointing=checkpointed,
+        lora_bytes_per_token=lora, lora_bytes_per_layer=lora_fixed, gradient_bytes=gradient_bytes,
+        optimizer_state_bytes=2 * gradient_bytes if optimizer is not None and not optimizer.state else 0,
+    )
+
+
+class MemoryGuard:
+    """Per step: backward once per step if it fits, else once per micro-batch.
+
+    Args:
+        model: the training model (read once with :func:`model_shape`).
+        device: the training device.
+        optimizer: to count its state while it is not yet allocated.
+        activation_dtype: the model's compute dtype (default: its parameters').
+        headroom (float): use at most this fraction of the available memory.
+        available (callable, optional): ``device -> bytes or None``; default
+            :func:`available_memory_bytes`.
+    """
+
+    def __init__(self, model: nn.Module, device: torch.device, optimizer: Optional[torch.optim.Optimizer] = None,
+                 *, activation_dtype: Optional[torch.dtype] = None, headroom: float = 0.85,
+                 available: Optional[Callable[[torch.device], Optional[int]]] = None):
+        self.device, self.headroom = device, headroom
+        self._available = available or (lambda dev: available_memory_bytes(dev))
+        self._model, self._optimizer, self._dtype = model, optimizer, activation_dtype
+        self.shape = model_shape(model, activation_dtype, optimizer)
+        self.once_per_step = True  # the mode of the last decision, for the log line on a change
+        self._failed_at: Optional[int] = None  # an estimate that ran out of memory (CUDA) before
+
+    def refresh(self) -> None:
+        """Re-read the model shape (the optimizer state now exists after the first step)."""
+        if self.shape is not None and self.shape.optimizer_state_bytes and self._optimizer is not None \
+                and self._optimizer.state:
+            self.shape = model_shape(self._model, self._dtype, self._optimizer)
+
+    def fits_once_per_step(self, micro_batches: Sequence[MicroBatchShape]) -> bool:
+        """This rank's decision (see :func:`decide`); no collective."""
+        if self.shape is None:
+            return True
+        self.refresh()
+        need = step_peak_bytes(self.shape, micro_batches, once_per_step=True)
+        if self._failed_at is not None and need >= self._failed_at:
+            return False
+        return decide(need, self._available(self.device), self.headroom)
+
+    def note_out_of_memory(self, micro_batches: Sequence[MicroBatchShape]) -> None:
+        """A once-per-step backward of this size ran out of memory: do not try that size again."""
+        if self.shape is not None:
+            need = step_peak_bytes(self.shape, micro_batches, once_per_step=True)
+            self._failed_at = need if self._failed_at is None else min(self._failed_at, need)
+
+    def report(self, once_per_step: bool, micro_batches: Sequence[MicroBatchShape], step: int) -> None:
+        """One log line when the backward mode changes."""
+        if once_per_step == self.once_per_step:
+            return
+        self.once_per_step = once_per_step
+        if self.shape is None:
+            return
+        need = step_peak_bytes(self.shape, micro_batches, once_per_step=True)
+        available = self._available(self.device)
+        if once_per_step:
+            log.info("Step %d: backward once per step again (estimated %.2f GiB, %s available).", step,
+                     need / GIB, _gib(available))
+        else:
+            log.warning("Step %d: backward once per step would need about %.2f GiB, %s available: running "
+                        "backward per micro-batch (same gradients) while it does not fit.",
+                        step, need / GIB, _gib(available))
+
+
+def _gib(value: Optional[int]) -> str:
+    return "unknown" if value is None else f"{value / GIB:.2f} GiB"
+
+
+def decide(need_bytes: int, available_bytes: Optional[int], headroom: float = 0.85) -> bool:
+    """True when a step estimated to need ``need_bytes`` more fits in ``headroom * available_bytes``.
+
+    Unknown availability (None) means yes: there is nothing to compare with.
+    """
+    return available_bytes is None or need_bytes <= headroom * available_bytes
+
+
+def shapes_of(prepared: List[tuple], counts: Sequence[int]) -> List[MicroBatchShape]:
+    """:class:`MicroBatchShape` of prepared micro-batches ``(inputs, shifted_labels)`` and their token counts."""
+    shapes = []
+    for (inputs, _labels), rows in zip(prepared, counts):
+        batch, seq_len = inputs["tokens"].shape[:2]
+        shapes.append(MicroBatchShape(int(batch), int(seq_len), int(rows), inputs.get("mask") is not None))
+    return shapes
