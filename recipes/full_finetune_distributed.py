@@ -14,6 +14,8 @@ gathered to the single-device format.
 """
 
 import sys
+from functools import partial
+from pathlib import Path
 from typing import Any, Dict
 
 import torch
@@ -25,8 +27,10 @@ from torchtune_ext import distributed, launch
 from torchtune_ext.checkpoint import (
     CheckpointManager,
     Progress,
+    expected_checkpoint_bytes,
     latest_checkpoint,
     load_recipe_state,
+    set_rng_state,
 )
 from torchtune_ext.data import build_step_loader
 from torchtune_ext.evaluate import Validator, build_val_loader
@@ -34,6 +38,9 @@ from torchtune_ext.loss import build_loss
 from torchtune_ext.memory import MemoryGuard
 from torchtune_ext.metrics import StepReporter, build_metric_logger
 from torchtune_ext.preflight import check_components
+from torchtune_ext.preemption import GracefulStop
+from torchtune_ext.resume import check_resume, restore_training
+from torchtune_ext.run_lock import OutputDirLock
 from torchtune_ext.step import StepHealth, build_lr_scheduler, train_step
 
 log = utils.get_logger("INFO")
@@ -52,15 +59,18 @@ class FullFinetuneRecipeDistributed:
         self._dtype = training.get_dtype(cfg.dtype, device=self._device)
         self._rank, self._world_size = distributed.init_process_group(self._device, cfg.fsdp_cpu_offload)
         self.progress = Progress(seed=training.set_seed(seed=cfg.seed))
+        self._stop = GracefulStop(self._device, self._rank)  # SIGTERM / Ctrl-C: finish the step, save, exit 75
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
         cfg = self.cfg
         check_components(cfg, self._device)  # before anything is loaded or written
+        self._lock = OutputDirLock(cfg.output_dir, self._rank)  # one run per output_dir
         resume_from = latest_checkpoint(cfg.output_dir) if cfg.resume_from_checkpoint else None
-        resumed: Dict[str, Any] = load_recipe_state(resume_from) if resume_from else {}
+        resumed = load_recipe_state(resume_from) if resume_from else None
         if resumed:
-            self.progress = resumed["progress"]
+            check_resume(resumed, cfg)
+            self.progress = resumed.progress
             utils.log_rank_zero(log, f"Resuming from {resume_from} (step {self.progress.step})")
 
         # Data first: a bad dataset fails before anything is loaded or written.
@@ -71,30 +81,29 @@ class FullFinetuneRecipeDistributed:
                                        dp_world_size=self._world_size)
         self._val_data = build_val_loader(cfg, self._tokenizer, ignore_index=self._loss_fn.ignore_index,
                                           dp_rank=self._rank, dp_world_size=self._world_size)
-        self._steps_per_epoch = self._data.steps_per_epoch
+        total_steps = self.progress.plan(self._data, cfg.epochs)
 
-        self._checkpoints = CheckpointManager(cfg.checkpointer, cfg.output_dir, cfg.keep_last_n_checkpoints)
+        self._checkpoints = CheckpointManager.from_config(cfg, dp_world_size=self._world_size)
         checkpoint = self._checkpoints.load(resume_from)
         self._model = self._setup_model(cfg.model, checkpoint[training.MODEL_KEY], resume_from)
         self._optimizer = config.instantiate(cfg.optimizer, self._model.parameters())
         self._memory_guard = MemoryGuard(self._model, self._device, self._optimizer, activation_dtype=self._dtype)
-        self._lr_scheduler = build_lr_scheduler(cfg.lr_scheduler, self._optimizer,
-                                                cfg.epochs * self._steps_per_epoch)
+        self._lr_scheduler = build_lr_scheduler(cfg.lr_scheduler, self._optimizer, total_steps)
         if resumed:
-            # after the scheduler exists: building it resets the optimizer's lr
-            distributed.load_full_optimizer_state_dict(
-                self._model, self._optimizer, resumed[training.OPT_KEY], self._device
-            )
-            if self._lr_scheduler is not None:
-                self._lr_scheduler.load_state_dict(resumed["lr_scheduler"])
+            restore_training(resumed, cfg, self._optimizer, self._lr_scheduler, dp_world_size=self._world_size,
+                             rank=self._rank, load_optimizer_state=partial(
+                                 distributed.load_full_optimizer_state_dict, self._model, self._optimizer,
+                                 device=self._device))
+        self._checkpoints.announce(expected_checkpoint_bytes(self._model, self._optimizer), self.progress,
+                                   self._data, cfg)
 
         self._health = StepHealth(cfg.output_dir, skip_nonfinite_steps=cfg.skip_nonfinite_steps,
                                   loss_spike_nats=cfg.loss_spike_nats, start_step=self.progress.step)
         self._metric_logger = build_metric_logger(cfg, rank=self._rank, resume=bool(resumed))
         self._metric_logger.log_config(cfg)
         self._validator = Validator(cfg, self._val_data, self._model, self._loss_fn, self._metric_logger, self._device)
-        if resumed:
-            distributed.set_rank_rng_state(resumed)  # last: building the model consumed random numbers
+        if resumed:  # last: building the model consumed random numbers
+            set_rng_state(resumed.rng_for(self._rank, self._world_size))
 
     def _setup_model(self, cfg_model: DictConfig, state_dict: Dict[str, Any], source) -> torch.nn.Module:
         # Built on the meta device: no rank materializes the full model; each
@@ -115,15 +124,18 @@ class FullFinetuneRecipeDistributed:
         return model
 
     # ------------------------------------------------------------------ train
-    def train(self) -> None:
+    def train(self) -> int:
+        """Train to the end, or until a signal asks to stop; returns the exit status (0, or 75 on a stop)."""
         cfg, progress = self.cfg, self.progress
-        reporter = StepReporter(self._metric_logger, self._device, total_steps=cfg.epochs * self._steps_per_epoch,
+        reporter = StepReporter(self._metric_logger, self._device, total_steps=progress.total_steps,
                                 initial_step=progress.step, log_every_n_steps=cfg.log_every_n_steps,
                                 dp_world_size=self._world_size, rank=self._rank, model=self._model, dtype=self._dtype,
                                 peak_tflops_per_device=cfg.peak_tflops_per_device)
         self._validator.at_start(progress)
         while progress.epoch < cfg.epochs:
             for step_data in self._data.epoch(progress.epoch, progress.samples_in_epoch, progress.steps_in_epoch):
+                if self._stop.requested():  # all ranks agree
+                    return self._stop.stop(self.save_checkpoint() if progress.step else None, progress.step)
                 reporter.start_step()
                 lr = training.get_lr(self._optimizer)
                 result = train_step(
@@ -146,20 +158,20 @@ class FullFinetuneRecipeDistributed:
                 self.save_checkpoint()
         reporter.close()
         utils.log_rank_zero(log, self._health.finish())  # a summary; an error if the run ended in non-finite steps
+        return 0
 
     # ------------------------------------------------------------- checkpoint
-    def save_checkpoint(self) -> None:
+    def save_checkpoint(self) -> Path:
         # Every rank takes part in gathering; rank 0 receives the full state on CPU and writes.
         model_state = distributed.gather_full_model_state_dict(self._model, self._device)
-        recipe_state = {training.OPT_KEY: distributed.gather_full_optimizer_state_dict(self._model, self._optimizer),
-                        distributed.RNG_BY_RANK: distributed.gather_rng_states()}
-        if self._lr_scheduler is not None:
-            recipe_state["lr_scheduler"] = self._lr_scheduler.state_dict()
-        path = self._checkpoints.save({training.MODEL_KEY: model_state}, self.progress, recipe_state)
-        utils.log_rank_zero(log, f"Checkpoint saved: {path}")
+        optimizer_state = distributed.gather_full_optimizer_state_dict(self._model, self._optimizer)
+        return self._checkpoints.save({training.MODEL_KEY: model_state}, self.progress, optimizer_state,
+                                      rng_by_rank=distributed.gather_rng_states())
 
     def cleanup(self) -> None:
         self._metric_logger.close()
+        self._stop.close()
+        self._lock.release()
         distributed.destroy_process_group()
 
 
@@ -170,8 +182,9 @@ def recipe_main(cfg: DictConfig) -> None:
     recipe = FullFinetuneRecipeDistributed(cfg)
     with recipe_config.output_dir_unchanged_on_error(cfg.output_dir):
         recipe.setup()
-    recipe.train()
+    status = recipe.train()
     recipe.cleanup()
+    return status
 
 
 if __name__ == "__main__":

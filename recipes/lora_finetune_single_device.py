@@ -17,6 +17,7 @@ weights from the base checkpoint and the adapter from the latest step folder.
 """
 
 import sys
+from pathlib import Path
 from typing import Any, Dict, Optional
 
 import torch
@@ -29,6 +30,7 @@ from torchtune_ext import launch
 from torchtune_ext.checkpoint import (
     CheckpointManager,
     Progress,
+    expected_checkpoint_bytes,
     latest_checkpoint,
     lora_checkpoint_state,
     load_model_state,
@@ -42,6 +44,9 @@ from torchtune_ext.memory import MemoryGuard
 from torchtune_ext.metrics import StepReporter, build_metric_logger
 from torchtune_ext.models import initialize_adapters
 from torchtune_ext.preflight import check_components
+from torchtune_ext.preemption import GracefulStop
+from torchtune_ext.resume import check_resume, restore_training
+from torchtune_ext.run_lock import OutputDirLock
 from torchtune_ext.step import StepHealth, build_lr_scheduler, train_step
 
 log = utils.get_logger("INFO")
@@ -60,15 +65,18 @@ class LoRAFinetuneRecipeSingleDevice:
         self._device = utils.get_device(None if cfg.device == "auto" else cfg.device)
         self._dtype = training.get_dtype(cfg.dtype, device=self._device)
         self.progress = Progress(seed=training.set_seed(seed=cfg.seed))
+        self._stop = GracefulStop(self._device)  # SIGTERM / Ctrl-C: finish the step, save, exit 75
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
         cfg = self.cfg
         check_components(cfg, self._device)  # before anything is loaded or written
+        self._lock = OutputDirLock(cfg.output_dir)  # one run per output_dir
         resume_from = latest_checkpoint(cfg.output_dir) if cfg.resume_from_checkpoint else None
-        resumed: Dict[str, Any] = load_recipe_state(resume_from) if resume_from else {}
+        resumed = load_recipe_state(resume_from) if resume_from else None
         if resumed:
-            self.progress = resumed["progress"]
+            check_resume(resumed, cfg)
+            self.progress = resumed.progress
             log.info(f"Resuming from {resume_from} (step {self.progress.step})")
 
         # Data first: a bad dataset fails before anything is loaded or written.
@@ -77,29 +85,28 @@ class LoRAFinetuneRecipeSingleDevice:
         self._data = build_step_loader(cfg, self._tokenizer, seed=self.progress.seed,
                                        ignore_index=self._loss_fn.ignore_index)
         self._val_data = build_val_loader(cfg, self._tokenizer, ignore_index=self._loss_fn.ignore_index)
-        self._steps_per_epoch = self._data.steps_per_epoch
+        total_steps = self.progress.plan(self._data, cfg.epochs)
 
-        self._checkpoints = CheckpointManager(cfg.checkpointer, cfg.output_dir, cfg.keep_last_n_checkpoints)
+        self._checkpoints = CheckpointManager.from_config(cfg)
         checkpoint = self._checkpoints.load(resume_from, adapter=True)
         self._model = self._setup_model(cfg.model, checkpoint[training.MODEL_KEY], checkpoint.get(training.ADAPTER_KEY))
         # Only the adapter: the step's grad_norm and clipping cover exactly what trains.
         self._optimizer = config.instantiate(cfg.optimizer, self._adapter_params.values())
         self._memory_guard = MemoryGuard(self._model, self._device, self._optimizer, activation_dtype=self._dtype)
-        self._lr_scheduler = build_lr_scheduler(cfg.lr_scheduler, self._optimizer,
-                                                cfg.epochs * self._steps_per_epoch)
+        self._lr_scheduler = build_lr_scheduler(cfg.lr_scheduler, self._optimizer, total_steps)
         if resumed:
-            # after the scheduler exists: building it resets the optimizer's lr
-            self._optimizer.load_state_dict(resumed[training.OPT_KEY])
-            if self._lr_scheduler is not None:
-                self._lr_scheduler.load_state_dict(resumed["lr_scheduler"])
+            restore_training(resumed, cfg, self._optimizer, self._lr_scheduler)
+        self._checkpoints.announce(expected_checkpoint_bytes(self._model, self._optimizer, lora=True,
+                                                             adapter_only=cfg.save_adapter_weights_only),
+                                   self.progress, self._data, cfg)
 
         self._health = StepHealth(cfg.output_dir, skip_nonfinite_steps=cfg.skip_nonfinite_steps,
                                   loss_spike_nats=cfg.loss_spike_nats, start_step=self.progress.step)
         self._metric_logger = build_metric_logger(cfg, rank=0, resume=bool(resumed))
         self._metric_logger.log_config(cfg)
         self._validator = Validator(cfg, self._val_data, self._model, self._loss_fn, self._metric_logger, self._device)
-        if resumed:
-            set_rng_state(resumed["rng"])  # last: building the model drew random numbers; lora_dropout draws more
+        if resumed:  # last: building the model drew random numbers; lora_dropout draws more
+            set_rng_state(resumed.rng_for(0, 1))
 
     def _setup_model(self, cfg_model: DictConfig, base_state: Dict[str, Any],
                      adapter_state: Optional[Dict[str, Any]]) -> torch.nn.Module:
@@ -140,14 +147,17 @@ class LoRAFinetuneRecipeSingleDevice:
         return model
 
     # ------------------------------------------------------------------ train
-    def train(self) -> None:
+    def train(self) -> int:
+        """Train to the end, or until a signal asks to stop; returns the exit status (0, or 75 on a stop)."""
         cfg, progress = self.cfg, self.progress
-        reporter = StepReporter(self._metric_logger, self._device, total_steps=cfg.epochs * self._steps_per_epoch,
+        reporter = StepReporter(self._metric_logger, self._device, total_steps=progress.total_steps,
                                 initial_step=progress.step, log_every_n_steps=cfg.log_every_n_steps,
                                 model=self._model, dtype=self._dtype, peak_tflops_per_device=cfg.peak_tflops_per_device)
         self._validator.at_start(progress)
         while progress.epoch < cfg.epochs:
             for step_data in self._data.epoch(progress.epoch, progress.samples_in_epoch, progress.steps_in_epoch):
+                if self._stop.requested():
+                    return self._stop.stop(self.save_checkpoint() if progress.step else None, progress.step)
                 reporter.start_step()
                 lr = training.get_lr(self._optimizer)
                 result = train_step(
@@ -170,19 +180,18 @@ class LoRAFinetuneRecipeSingleDevice:
                 self.save_checkpoint()
         reporter.close()
         log.info(self._health.finish())  # a summary; an error if the run ended in non-finite steps
+        return 0
 
     # ------------------------------------------------------------- checkpoint
-    def save_checkpoint(self) -> None:
-        recipe_state = {training.OPT_KEY: self._optimizer.state_dict()}
-        if self._lr_scheduler is not None:
-            recipe_state["lr_scheduler"] = self._lr_scheduler.state_dict()
+    def save_checkpoint(self) -> Path:
         state = lora_checkpoint_state(self._model.state_dict(), self.cfg.model, self.cfg.save_adapter_weights_only)
-        path = self._checkpoints.save(state, self.progress, recipe_state,
+        return self._checkpoints.save(state, self.progress, self._optimizer.state_dict(),
                                       adapter_only=self.cfg.save_adapter_weights_only)
-        log.info(f"Checkpoint saved: {path}")
 
     def cleanup(self) -> None:
         self._metric_logger.close()
+        self._stop.close()
+        self._lock.release()
 
 
 @launch.exit_on_user_error  # outside config.parse: it also checks the command line torchtune parses
@@ -192,8 +201,9 @@ def recipe_main(cfg: DictConfig) -> None:
     recipe = LoRAFinetuneRecipeSingleDevice(cfg)
     with recipe_config.output_dir_unchanged_on_error(cfg.output_dir):
         recipe.setup()
-    recipe.train()
+    status = recipe.train()
     recipe.cleanup()
+    return status
 
 
 if __name__ == "__main__":

@@ -37,3 +37,15 @@ def tiny_run(tmp_path, smollm2_assets):
     from tiny_run import make_tiny_run
 
     return lambda name="tiny", **overrides: make_tiny_run(tmp_path / name, smollm2_assets, **overrides)
+
+
+@pytest.fixture(autouse=True)
+def _restore_signal_handlers():
+    """A recipe run in process installs SIGTERM/SIGINT handlers and removes them in cleanup; one whose
+    setup fails (the command line would exit) leaves them: put the test process's own back."""
+    import signal
+
+    saved = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for signum, handler in saved.items():
+        signal.signal(signum, handler)

@@ -1,18 +1,31 @@
 """Atomic checkpoints: a failed save never damages an earlier one; pruning waits for completion."""
 
+import errno
+import json
+import shutil
+from collections import namedtuple
+
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 from fake_checkpointer import FakeCheckpointer
+from helpers import tiny_lora_model, tiny_model
+from torchtune_ext import checkpoint
 from torchtune_ext.checkpoint import (
     CheckpointManager,
+    DiskSpaceError,
     Progress,
+    expected_checkpoint_bytes,
     latest_checkpoint,
     list_checkpoints,
     load_recipe_state,
+    tensor_bytes,
     verify_checkpoint,
 )
 from torchtune_ext.config import ConfigError
+
+DiskUsage = namedtuple("DiskUsage", "total used free")
 
 
 @pytest.fixture
@@ -29,7 +42,7 @@ def manager(tmp_path):
 
 def save(manager, step, payload=b"weights"):
     return manager.save({"model": {"w": payload}}, Progress(step=step, epoch=0, steps_in_epoch=step, seed=3),
-                        {"optimizer": {"lr": 0.1 * step}})
+                        {"lr": 0.1 * step})
 
 
 def test_save_writes_manifest_and_state(manager):
@@ -38,8 +51,8 @@ def test_save_writes_manifest_and_state(manager):
     manifest = verify_checkpoint(path)
     assert manifest["files"]["weights.bin"] == len(b"weights") and "recipe_state.pt" in manifest["files"]
     state = load_recipe_state(path)
-    assert state["progress"] == Progress(step=1, epoch=0, steps_in_epoch=1, seed=3)
-    assert state["optimizer"] == {"lr": 0.1} and "rng" in state
+    assert state.progress == Progress(step=1, epoch=0, steps_in_epoch=1, seed=3)
+    assert state.optimizer == {"lr": 0.1} and len(state.rng_by_rank) == 1
     assert not manager.staging.exists()
 
 
@@ -51,7 +64,8 @@ def test_failed_save_leaves_previous_checkpoint_intact(manager):
     assert list_checkpoints(str(manager.output_dir)) == [first]
     assert latest_checkpoint(str(manager.output_dir)) == first
     assert (first / "weights.bin").read_bytes() == b"first"
-    second = save(manager, 2, b"second")  # the next save clears the half-written staging folder
+    assert not manager.staging.exists()  # the half-written folder went with the failure
+    second = save(manager, 2, b"second")
     assert latest_checkpoint(str(manager.output_dir)) == second and not manager.staging.exists()
 
 
@@ -121,3 +135,94 @@ def test_save_never_collides_with_a_folder_without_manifest(manager):
     path = save(manager, 2)
     assert verify_checkpoint(path)["step"] == 2
     assert (manager.output_dir / "step_2.incomplete" / "notes.txt").read_text() == "mine"
+
+
+def test_prune_never_removes_the_checkpoint_just_written(tmp_path, manager):
+    manager.keep_last_n = 1
+    save(manager, 5)
+    path = save(manager, 3)  # numbered lower than a checkpoint already there
+    assert path.is_dir() and (manager.output_dir / "step_5").is_dir()
+
+
+def test_manifest_never_lists_itself(manager):
+    """torchtune copies the files of the folder it loaded from, a previous checkpoint's manifest included:
+    a resumed run's checkpoint used to list that stale manifest, and could not be resumed from."""
+    first = save(manager, 1)
+    real_save = FakeCheckpointer.save_checkpoint
+
+    def save_and_copy(self, state_dict, epoch, **kwargs):
+        real_save(self, state_dict, epoch, **kwargs)
+        shutil.copy(first / "checkpoint.json", self.output_dir / f"epoch_{epoch}" / "checkpoint.json")
+
+    FakeCheckpointer.save_checkpoint = save_and_copy
+    try:
+        second = save(manager, 2)
+    finally:
+        FakeCheckpointer.save_checkpoint = real_save
+    assert "checkpoint.json" not in verify_checkpoint(second)["files"]
+
+
+def test_a_manifest_listing_itself_still_verifies(manager):
+    """Checkpoints that resumed runs of earlier versions wrote stay resumable."""
+    path = save(manager, 1)
+    manifest = json.loads((path / "checkpoint.json").read_text())
+    manifest["files"]["checkpoint.json"] = 308
+    (path / "checkpoint.json").write_text(json.dumps(manifest))
+    verify_checkpoint(path)
+
+
+def test_not_enough_space_is_refused_before_writing(manager, monkeypatch):
+    first = save(manager, 1)
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: DiskUsage(10**9, 10**9 - 1000, 1000))
+    with pytest.raises(DiskSpaceError, match="'output_dir': not enough free disk space to save step_2 in "
+                       ".*: it needs about 1 MiB, 1000 B are free; nothing was written and .*step_1 is intact"):
+        save(manager, 2)
+    assert list_checkpoints(str(manager.output_dir)) == [first] and not manager.staging.exists()
+
+
+@pytest.mark.parametrize("failure", [OSError(errno.ENOSPC, "No space left on device"),
+                                     RuntimeError("basic_ios::clear: iostream error")], ids=["ENOSPC", "torch.save"])
+def test_disk_filling_up_during_a_save(manager, monkeypatch, failure):
+    """A write that fails on a full disk: the partial checkpoint is removed, the previous one kept, one error.
+
+    torch.save reports a full disk as a bare RuntimeError: the free space at the failure tells."""
+    first = save(manager, 1)
+    calls = []
+
+    def disk_usage(path):  # room before the save; full when the failure is examined
+        calls.append(path)
+        return DiskUsage(10**9, 0, 10**9) if len(calls) == 1 else DiskUsage(10**9, 10**9, 0)
+
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", disk_usage)
+    FakeCheckpointer.fail_next_save = failure
+    with pytest.raises(DiskSpaceError, match="the disk filled up while saving step_2 in .*: it needs about 1 MiB, "
+                       ".* are free now; the partial checkpoint was removed and .*step_1 is intact") as err:
+        save(manager, 2)
+    assert err.value.__cause__ is failure
+    assert list_checkpoints(str(manager.output_dir)) == [first] and not manager.staging.exists()
+
+
+def test_other_failures_are_raised_as_they_are(manager):
+    FakeCheckpointer.fail_next_save = ValueError("not a disk problem")
+    with pytest.raises(ValueError, match="not a disk problem"):
+        save(manager, 1)
+    assert not manager.staging.exists()
+
+
+@pytest.mark.parametrize("kind", ["full", "lora", "lora_adapter_only"])
+def test_expected_checkpoint_bytes_covers_what_is_written(kind):
+    """The start-up estimate is at least the tensors a checkpoint holds, and at most 1 MiB more."""
+    model = tiny_model() if kind == "full" else tiny_lora_model()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params)
+    model(torch.randint(0, 100, (1, 8))).sum().backward()
+    optimizer.step()  # creates the state the estimate had to predict
+    state = model.state_dict()
+    if kind == "full":
+        written = tensor_bytes(state)
+    else:
+        adapter = {k: v for k, v in state.items() if "lora" in k}
+        written = 2 * tensor_bytes(adapter) + (0 if kind.endswith("only") else tensor_bytes(state) - tensor_bytes(adapter))
+    written += tensor_bytes(optimizer.state_dict())
+    estimate = expected_checkpoint_bytes(model, optimizer, lora=kind != "full", adapter_only=kind.endswith("only"))
+    assert written <= estimate <= written + 2**20 + 1024

@@ -3,17 +3,19 @@
 A checkpoint folder holds the model in the same format as the base checkpoint
 (written by the configured torchtune checkpointer: HF safetensors plus the
 base folder's config and tokenizer files; for LoRA the adapter, and the merged
-model unless turned off), ``recipe_state.pt`` (optimizer, LR scheduler, RNG
-states, step counters, data position) and ``checkpoint.json``, a manifest of
-every file with its size.
+model unless turned off), ``recipe_state.pt`` (what :class:`ResumeState`
+describes: step counters and data position, the full optimizer state, every
+rank's RNG states, the world size and the config of the run that wrote it)
+and ``checkpoint.json``, a manifest of every other file with its size.
 
 Writes are atomic: the torchtune checkpointer writes into
 ``<output_dir>/.staging/``; the manifest is written last; then the folder is
-renamed to ``step_<N>``. A crash mid-save leaves only the staging folder,
-which the next save clears, and the previous checkpoints intact. Old
-checkpoints are pruned (``keep_last_n_checkpoints``) only after the new one
-is complete. Only ``step_<N>`` folders with a valid manifest are ever resumed
-from.
+renamed to ``step_<N>``. Free space is checked against the checkpoint's size
+first; a save that fails (a full disk included) removes its staging folder
+and leaves the previous checkpoints intact. Old checkpoints are pruned
+(``keep_last_n_checkpoints``) only after the new one is complete, and the
+newest is never pruned. Only ``step_<N>`` folders with a valid manifest are
+ever resumed from.
 
 Resuming a full fine-tune loads the model from the step folder. Resuming LoRA
 loads the base weights from the base checkpoint again and the adapter from
@@ -21,24 +23,30 @@ the step folder's ``adapter_model.pt``: the merged model there already holds
 the adapter (and is absent with ``save_adapter_weights_only``).
 """
 
+import contextlib
+import errno
 import json
 import logging
 import os
 import random
 import re
 import shutil
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torchtune import config as tt_config
 from torchtune import training
+from torchtune.utils import get_logger
 
 from torchtune_ext.config import ConfigError
+
+log = get_logger()  # torchtune's logger, which the recipes' lines go through too
 
 MANIFEST = "checkpoint.json"
 RECIPE_STATE = "recipe_state.pt"
@@ -47,8 +55,6 @@ RECIPE_STATE = "recipe_state.pt"
 ADAPTER_WEIGHTS = "adapter_model.pt"
 STAGING = ".staging"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -67,6 +73,8 @@ class Progress:
         seed (int): the run's seed (sampler order depends on it).
         tokens_seen (int): trainable tokens (after the label shift, all ranks)
             of the optimizer steps that updated the model so far.
+        total_steps (int): optimizer steps of the whole run, the length the
+            LR schedule is built for (0: not known yet).
     """
 
     step: int = 0
@@ -76,6 +84,7 @@ class Progress:
     skipped_steps: int = 0
     seed: int = 0
     tokens_seen: int = 0
+    total_steps: int = 0
 
     def complete_step(self, skipped: bool, end_sample: int, num_tokens: int = 0) -> None:
         """Count a finished optimizer step (``skipped``: it did not update) that
@@ -92,6 +101,26 @@ class Progress:
         self.epoch += 1
         self.steps_in_epoch = 0
         self.samples_in_epoch = 0
+
+    def plan(self, loader: Any, epochs: int) -> int:
+        """Set and return :attr:`total_steps`: the steps done plus those ``loader`` will run.
+
+        Args:
+            loader: a :class:`torchtune_ext.data.StepLoader` (``steps_per_epoch``,
+                ``remaining_steps``) with this run's batch size, accumulation
+                and world size.
+            epochs: the run's ``epochs``.
+
+        With the settings the run started with this is ``epochs *
+        steps_per_epoch``; after a resume with another global batch size, the
+        steps already done keep their count and the rest is counted anew.
+        """
+        left = 0
+        if self.epoch < epochs:
+            left = loader.remaining_steps(self.samples_in_epoch, self.steps_in_epoch)
+            left += (epochs - self.epoch - 1) * loader.steps_per_epoch
+        self.total_steps = self.step + left
+        return self.total_steps
 
 
 def rng_state() -> Dict[str, Any]:
@@ -180,6 +209,8 @@ def _read_manifest(path: Path):
     except (OSError, ValueError, KeyError, TypeError) as err:
         return None, f"checkpoint '{path}' has no readable {MANIFEST}: {err}"
     for name, size in files.items():
+        if name == MANIFEST:
+            continue  # listed (with a stale size) by checkpoints that resumed runs of earlier versions wrote
         file = path / name
         if not file.is_file():
             return None, f"checkpoint '{path}' is missing '{name}'"
@@ -199,9 +230,145 @@ def _is_rank_zero() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+def _from_rank_zero(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank (itself without a process group)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class DiskSpaceError(ConfigError):
+    """Not enough free space in ``output_dir`` for a checkpoint (key ``output_dir``)."""
+
+
+def format_bytes(num_bytes: float) -> str:
+    """``1.61 GiB``, ``12.0 MiB``, ...: binary units, three significant figures."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(num_bytes) < 1024 or unit == "GiB":
+            break
+        num_bytes /= 1024
+    if unit == "GiB" and abs(num_bytes) >= 1024:
+        return f"{num_bytes / 1024:.3g} TiB"
+    return f"{num_bytes:.3g} {unit}" if unit != "B" else f"{int(num_bytes)} B"
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of every tensor in a (nested) state dict; a DTensor counts its full, unsharded size."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
+
+
+def _optimizer_states_per_parameter(optimizer: torch.optim.Optimizer) -> int:
+    """Tensors the size of a parameter an optimizer keeps per parameter (Adam: 2 moments)."""
+    defaults = optimizer.defaults
+    if "betas" in defaults:  # the Adam family: first and second moments (+ max for amsgrad)
+        return 2 + int(bool(defaults.get("amsgrad", False)))
+    if "momentum" in defaults:  # SGD, RMSprop: a momentum buffer only with momentum
+        return int(bool(defaults["momentum"])) + int("alpha" in defaults)
+    return 2  # unknown: assume an Adam-like optimizer
+
+
+def expected_checkpoint_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+                              lora: bool = False, adapter_only: bool = False) -> int:
+    """About how many bytes one checkpoint of ``model`` and ``optimizer`` takes on disk.
+
+    Full fine-tune: the model's state dict plus the optimizer state. LoRA: the
+    adapter twice (torchtune's ``.pt`` and PEFT's ``.safetensors``), the merged
+    model unless ``adapter_only``, and the adapter's optimizer state. The
+    optimizer state is estimated before it exists (it is created at the
+    first step): parameter-sized tensors per trainable parameter, 2 for the
+    Adam family. Sizes are the full, unsharded ones.
+
+    Returns:
+        bytes, rounded up by 1 MiB for the small files (config, tokenizer, RNG states).
+    """
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    weights = tensor_bytes(model.state_dict())
+    if lora:
+        weights = 2 * trainable + (0 if adapter_only else weights - trainable)
+    return weights + _optimizer_states_per_parameter(optimizer) * trainable + 2**20
+
+
+@dataclass
+class ResumeState:
+    """What a checkpoint holds besides the model: all a run needs to continue exactly.
+
+    The one definition of ``recipe_state.pt``: :meth:`CheckpointManager.save`
+    writes it, :func:`load_recipe_state` reads it back.
+
+    Attributes:
+        progress (Progress): step counters and data position.
+        optimizer (dict): the full (unsharded) optimizer state dict.
+        rng_by_rank (list): :func:`rng_state` of every rank, in rank order.
+        dp_world_size (int): data-parallel ranks of the run that wrote it.
+        config (dict or None): the resolved config of the run that wrote it
+            (None in checkpoints of earlier versions).
+
+    The LR scheduler is not saved: a resumed run builds it from its config
+    and advances it to ``progress.step`` (:mod:`torchtune_ext.resume`).
+    """
+
+    progress: Progress
+    optimizer: Dict[str, Any]
+    rng_by_rank: List[Dict[str, Any]]
+    dp_world_size: int = 1
+    config: Optional[Dict[str, Any]] = None
+
+    @property
+    def saved_total_steps(self) -> int:
+        """The run's total optimizer steps when it was saved (its LR schedule length; 0: unknown)."""
+        return self._saved_total_steps
+
+    def __post_init__(self) -> None:
+        self._saved_total_steps = self.progress.total_steps  # the recipe plans the progress anew
+
+    def rng_for(self, rank: int, world_size: int) -> Dict[str, Any]:
+        """The RNG states rank ``rank`` of a ``world_size``-rank run continues with.
+
+        Its own when the checkpoint was written by as many ranks; otherwise
+        rank 0's, so the run continues, though random draws such as dropout
+        masks then differ from an uninterrupted run.
+        """
+        if len(self.rng_by_rank) == world_size:
+            return self.rng_by_rank[rank]
+        return self.rng_by_rank[0]
+
+
+@contextlib.contextmanager
+def _quiet_torchtune_checkpointer() -> Iterator[None]:
+    """Hide the INFO lines of torchtune's checkpointer while it writes into staging.
+
+    They name the staging folder (``.staging/epoch_6``) instead of the
+    checkpoint (``step_6``) and call every save "final"; the manager logs one
+    accurate line instead. Warnings still pass.
+    """
+
+    def keep(record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or not record.pathname.endswith("_checkpointer.py")
+
+    tt_logger = logging.getLogger("torchtune.utils._logging")  # what torchtune's get_logger returns
+    tt_logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        tt_logger.removeFilter(keep)
+
+
+def _is_disk_full(err: BaseException) -> bool:
+    while err is not None:
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(err) or "StorageFull" in str(err):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
 
 
 class CheckpointManager:
@@ -213,14 +380,26 @@ class CheckpointManager:
             staging folder.
         output_dir (str): the run's output folder.
         keep_last_n (int, optional): keep this many newest checkpoints; None keeps all.
+        run_config (DictConfig, optional): the run's config, saved (resolved)
+            with every checkpoint so that a resume can tell what changed.
+        dp_world_size (int): data-parallel ranks of this run.
     """
 
-    def __init__(self, cfg_checkpointer: DictConfig, output_dir: str, keep_last_n: Optional[int] = None):
+    def __init__(self, cfg_checkpointer: DictConfig, output_dir: str, keep_last_n: Optional[int] = None, *,
+                 run_config: Optional[DictConfig] = None, dp_world_size: int = 1):
         self.output_dir = Path(output_dir)
         self.staging = self.output_dir / STAGING
         self.keep_last_n = keep_last_n
         self._cfg = cfg_checkpointer
         self._checkpointer = None
+        self._run_config = OmegaConf.to_container(run_config, resolve=True) if run_config is not None else None
+        self._dp_world_size = dp_world_size
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig, dp_world_size: int = 1) -> "CheckpointManager":
+        """The manager of a validated recipe config (``checkpointer``, ``output_dir``, ``keep_last_n_checkpoints``)."""
+        return cls(cfg.checkpointer, cfg.output_dir, cfg.keep_last_n_checkpoints, run_config=cfg,
+                   dp_world_size=dp_world_size)
 
     def load(self, resume_from: Optional[Path] = None, adapter: bool = False) -> Dict[str, Any]:
         """Load the model through the configured torchtune checkpointer.
@@ -272,54 +451,169 @@ class CheckpointManager:
                                   f"({_short(err)}).{intact_before(resume_from)}") from err
         return state
 
-    def save(self, state_dict: Dict[str, Any], progress: Progress, recipe_state: Dict[str, Any],
-             adapter_only: bool = False) -> Path:
-        """Write ``step_<progress.step>`` atomically (rank 0 writes; all ranks wait).
+    def announce(self, checkpoint_bytes: int, progress: Progress, loader: Any, cfg: DictConfig) -> None:
+        """Log the disk use to expect at start-up; refuse to start without room for one checkpoint.
+
+        Args:
+            checkpoint_bytes: one checkpoint's tensors (:func:`expected_checkpoint_bytes`); the
+                copied config and tokenizer files are added here.
+            progress: where the run starts (``total_steps`` already planned).
+            loader: the run's :class:`torchtune_ext.data.StepLoader`.
+            cfg: the recipe config (``epochs``, ``save_every_n_steps``, ``save_final_checkpoint``).
+
+        Raises:
+            DiskSpaceError: if ``output_dir`` has less free space than one checkpoint.
+        """
+        checkpoint_bytes += self._copied_bytes()
+        saves = len(planned_save_steps(progress, loader, cfg))
+        on_disk = len(list_checkpoints(str(self.output_dir))) + saves
+        if self.keep_last_n is not None:  # a new checkpoint is complete before the oldest goes
+            on_disk = min(on_disk, self.keep_last_n + 1)
+        free = shutil.disk_usage(_existing_parent(self.output_dir)).free
+        if free < checkpoint_bytes:
+            raise DiskSpaceError("output_dir", f"not enough free disk space for one checkpoint in "
+                                 f"'{self.output_dir}': it needs about {format_bytes(checkpoint_bytes)}, "
+                                 f"{format_bytes(free)} are free. Free some space or choose another output_dir")
+        kept = (f"the newest {self.keep_last_n} kept" if self.keep_last_n is not None else "none deleted")
+        line = (f"Checkpoints: about {format_bytes(checkpoint_bytes)} each, {saves} to write, {kept} "
+                f"(keep_last_n_checkpoints={self.keep_last_n if self.keep_last_n is not None else 'null'}): "
+                f"up to {format_bytes(on_disk * checkpoint_bytes)} in '{self.output_dir}', "
+                f"{format_bytes(free)} free")
+        if not _is_rank_zero():
+            return
+        if free < on_disk * checkpoint_bytes:
+            log.warning(f"{line}: not enough for all of them; lower keep_last_n_checkpoints or free some space")
+        else:
+            log.info(line)
+
+    def save(self, state_dict: Dict[str, Any], progress: Progress, optimizer_state: Dict[str, Any], *,
+             rng_by_rank: Optional[List[Dict[str, Any]]] = None, adapter_only: bool = False) -> Path:
+        """Write ``step_<progress.step>`` atomically (rank 0 writes; every rank gets the outcome).
 
         Args:
             state_dict: what the torchtune checkpointer saves: ``model`` (full
                 state dict on CPU; may be empty on ranks other than 0) and for
                 LoRA ``adapter`` and ``adapter_config``.
             progress: step counters and data position.
-            recipe_state: optimizer / LR scheduler state dicts and anything
-                else the recipe needs to resume (saved with torch.save).
+            optimizer_state: the full optimizer state dict (may be empty on
+                ranks other than 0).
+            rng_by_rank: every rank's :func:`rng_state`, in rank order; None:
+                this process's (one rank).
             adapter_only: LoRA: save only the adapter (no merged model).
 
         Returns:
-            Path of the new checkpoint folder.
+            Path of the checkpoint folder. A step saved already (the end of an
+            epoch right after a periodic save) is not written again.
+
+        Raises:
+            DiskSpaceError: if the checkpoint does not fit in the free space
+                (checked before writing) or the disk filled up while writing;
+                the staging folder is removed and earlier checkpoints are intact.
+            Any other error of the write, after removing the staging folder.
+            All ranks raise (ranks other than 0 a ``RuntimeError`` with rank 0's message).
         """
         final = self.output_dir / f"step_{progress.step}"
-        if (final / MANIFEST).is_file():
-            return final  # this step is saved already (end of epoch right after a periodic save)
+        outcome: Any = None
         if _is_rank_zero():
-            if final.exists():  # not written by a save (no manifest): keep it, under another name
-                aside = final.with_name(f"{final.name}.incomplete")
-                while aside.exists():
-                    aside = aside.with_name(aside.name + "+")
-                os.replace(final, aside)
-                log.warning("'%s' was not a complete checkpoint (no %s); it is kept as '%s'.", final, MANIFEST, aside)
-            if self.staging.exists():
-                shutil.rmtree(self.staging)  # left by an interrupted save
-            # torchtune's checkpointer names its folder after the epoch argument
-            self._checkpointer.save_checkpoint(state_dict, epoch=progress.step, adapter_only=adapter_only)
-            written = self.staging / f"epoch_{progress.step}"
-            torch.save({"progress": asdict(progress), "rng": rng_state(), **recipe_state},
-                       written / RECIPE_STATE)
+            try:
+                outcome = self._write(final, state_dict, progress, optimizer_state, rng_by_rank, adapter_only)
+            except BaseException as err:
+                # exceptions do not all pickle: send what the other ranks raise
+                if isinstance(err, ConfigError):
+                    _from_rank_zero((type(err), err.key, str(err).split(": ", 1)[1]))
+                else:
+                    _from_rank_zero((RuntimeError, None, f"saving {final} failed on rank 0: {type(err).__name__}: {err}"))
+                raise
+        outcome = _from_rank_zero(outcome)
+        if outcome is not None:
+            error_type, key, message = outcome
+            raise error_type(key, message) if key is not None else error_type(message)
+        return final
+
+    def _write(self, final: Path, state_dict: Dict[str, Any], progress: Progress, optimizer_state: Dict[str, Any],
+               rng_by_rank: Optional[List[Dict[str, Any]]], adapter_only: bool) -> None:
+        if (final / MANIFEST).is_file():
+            return  # this step is saved already
+        if final.exists():  # not written by a save (no manifest): keep it, under another name
+            aside = final.with_name(f"{final.name}.incomplete")
+            while aside.exists():
+                aside = aside.with_name(aside.name + "+")
+            os.replace(final, aside)
+            log.warning("'%s' was not a complete checkpoint (no %s); it is kept as '%s'.", final, MANIFEST, aside)
+        if self.staging.exists():
+            shutil.rmtree(self.staging)  # left by an interrupted save
+        needed = self._needed_bytes(state_dict, optimizer_state)
+        free = shutil.disk_usage(self.output_dir).free
+        if free < needed:
+            raise self._disk_space_error(final, needed, free)
+        recipe_state = {
+            "progress": asdict(progress),
+            training.OPT_KEY: optimizer_state,
+            "rng": rng_state() if rng_by_rank is None else rng_by_rank[0],
+            "rng_by_rank": [rng_state()] if rng_by_rank is None else rng_by_rank,
+            "dp_world_size": self._dp_world_size,
+            "config": self._run_config,
+        }
+        start = time.perf_counter()
+        written = self.staging / f"epoch_{progress.step}"  # torchtune's checkpointer names it after "epoch"
+        try:
+            with _quiet_torchtune_checkpointer():
+                self._checkpointer.save_checkpoint(state_dict, epoch=progress.step, adapter_only=adapter_only)
+            torch.save(recipe_state, written / RECIPE_STATE)
+            # torchtune copies the non-weight files of the folder it loaded from, so a resumed
+            # run's staging folder holds the previous manifest: never list the manifest itself
+            (written / MANIFEST).unlink(missing_ok=True)
             files = {p.relative_to(written).as_posix(): p.stat().st_size
                      for p in sorted(written.rglob("*")) if p.is_file()}
             _write_synced(written / MANIFEST, json.dumps({"step": progress.step, "files": files}, indent=1))
-            os.replace(written, final)
-            _fsync_dir(self.output_dir)
+        except BaseException as err:
+            partial = sum(p.stat().st_size for p in self.staging.rglob("*") if p.is_file()) \
+                if self.staging.exists() else 0
+            free_now = shutil.disk_usage(self.output_dir).free
             shutil.rmtree(self.staging, ignore_errors=True)
-            self._prune()
-        _barrier()
-        return final
+            if isinstance(err, Exception) and (_is_disk_full(err) or free_now < needed - partial):
+                raise self._disk_space_error(final, needed, free_now + partial, cause=err) from err
+            raise
+        os.replace(written, final)
+        _fsync_dir(self.output_dir)
+        shutil.rmtree(self.staging, ignore_errors=True)
+        self._prune(keep=final)
+        log.info(f"Checkpoint saved: {final} ({format_bytes(sum(files.values()))} in "
+                 f"{time.perf_counter() - start:.1f} s)")
 
-    def _prune(self) -> None:
+    def _copied_bytes(self) -> int:
+        """The small files torchtune copies from the folder it loaded from (config, tokenizer)."""
+        source = getattr(self._checkpointer, "_checkpoint_dir", None)
+        if source is None or not Path(source).is_dir():
+            return 0
+        return sum(p.stat().st_size for p in Path(source).iterdir()
+                   if p.is_file() and p.suffix not in (".safetensors", ".bin", ".pt", ".pth"))
+
+    def _needed_bytes(self, state_dict: Dict[str, Any], optimizer_state: Dict[str, Any]) -> int:
+        # torchtune writes the adapter twice (.pt and PEFT .safetensors)
+        return (tensor_bytes(state_dict) + tensor_bytes(state_dict.get(training.ADAPTER_KEY))
+                + tensor_bytes(optimizer_state) + self._copied_bytes() + 2**20)
+
+    def _disk_space_error(self, final: Path, needed: int, free: int,
+                          cause: Optional[BaseException] = None) -> DiskSpaceError:
+        previous = latest_checkpoint(str(self.output_dir))
+        kept = f"{previous} is intact" if previous else "no earlier checkpoint exists"
+        if cause is None:
+            what = f"not enough free disk space to save {final.name} in '{self.output_dir}'"
+            now, done = "", "nothing was written"
+        else:
+            what = f"the disk filled up while saving {final.name} in '{self.output_dir}' ({cause})"
+            now, done = " now", "the partial checkpoint was removed"
+        return DiskSpaceError("output_dir", f"{what}: it needs about {format_bytes(needed)}, {format_bytes(free)} "
+                              f"are free{now}; {done} and {kept}. Free some space (or lower "
+                              "keep_last_n_checkpoints), then continue with resume_from_checkpoint=true")
+
+    def _prune(self, keep: Path) -> None:
         if self.keep_last_n is None:
             return
         for old in list_checkpoints(str(self.output_dir))[: -self.keep_last_n]:
-            shutil.rmtree(old)
+            if old != keep:  # the checkpoint a resume would start from stays, whatever the numbering
+                shutil.rmtree(old)
 
 
 def _short(err: BaseException) -> str:
@@ -350,17 +644,36 @@ def _unreadable(folder: Path, err: BaseException, resuming: bool) -> ConfigError
     return ConfigError("checkpointer.checkpoint_dir", f"cannot load the checkpoint in '{folder}': {detail}")
 
 
-def load_recipe_state(path: Path) -> Dict[str, Any]:
+def planned_save_steps(progress: Progress, loader: Any, cfg: DictConfig) -> List[int]:
+    """Optimizer steps after which the rest of the run will save a checkpoint.
+
+    Every ``save_every_n_steps``-th step and every epoch end (the last one
+    only with ``save_final_checkpoint``), from ``progress`` on; ``loader`` as
+    in :meth:`Progress.plan`.
+    """
+    total = progress.total_steps
+    steps = set(range(progress.step + 1, total + 1))
+    periodic = {s for s in steps if cfg.save_every_n_steps and s % cfg.save_every_n_steps == 0}
+    ends, step = set(), progress.step
+    if progress.epoch < cfg.epochs:
+        step += loader.remaining_steps(progress.samples_in_epoch, progress.steps_in_epoch)
+        for epoch in range(progress.epoch, cfg.epochs):
+            if epoch + 1 < cfg.epochs or cfg.save_final_checkpoint:
+                ends.add(step)
+            step += loader.steps_per_epoch
+    return sorted(periodic | ends)
+
+
+def load_recipe_state(path: Path) -> ResumeState:
     """Verify a checkpoint folder and load its ``recipe_state.pt``.
 
     Args:
         path: the checkpoint folder.
 
     Returns:
-        dict with ``progress`` (a :class:`Progress`), ``rng`` (pass it to
-        :func:`set_rng_state` once setup is done: building a model draws
-        random numbers for weight init, and dropout draws more in training)
-        and the recipe's own entries.
+        :class:`ResumeState`. Restore its RNG states (:meth:`ResumeState.rng_for`,
+        :func:`set_rng_state`) once setup is done: building a model draws
+        random numbers for weight init, and dropout draws more in training.
 
     Raises:
         ConfigError: if the folder does not match its manifest.
@@ -368,11 +681,22 @@ def load_recipe_state(path: Path) -> Dict[str, Any]:
     verify_checkpoint(path)
     try:
         state = torch.load(path / RECIPE_STATE, map_location="cpu", weights_only=False)
-        state["progress"] = Progress(**state["progress"])
+        return ResumeState(
+            progress=Progress(**state["progress"]),
+            optimizer=state[training.OPT_KEY],
+            rng_by_rank=state.get("rng_by_rank") or [state["rng"]],
+            dp_world_size=state.get("dp_world_size", 1),
+            config=state.get("config"),
+        )
     except Exception as err:
         raise ConfigError("resume_from_checkpoint", f"'{path / RECIPE_STATE}' cannot be read ({_short(err)})."
                           + intact_before(path)) from err
-    return state
+
+
+def _existing_parent(path: Path) -> Path:
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    return path
 
 
 def _write_synced(path: Path, text: str) -> None:

@@ -201,7 +201,9 @@ COMMON_KEYS: Dict[str, Key] = {
     # metrics are all that matters, e.g. the parity report); periodic and
     # earlier end-of-epoch checkpoints are still written.
     "save_final_checkpoint": Key(True, _boolean),
-    "keep_last_n_checkpoints": Key(None, _optional_positive_int),
+    # The newest checkpoint (the one a resume starts from) and the one before it,
+    # in case the newest turns out bad; null keeps all. See README "Checkpoints".
+    "keep_last_n_checkpoints": Key(2, _optional_positive_int),
     "skip_nonfinite_steps": Key(False, _boolean),
     # A step whose loss is this many nats per token above the highest loss of the
     # last 32 healthy steps is a spike; two in a row stop the run (torchtune_ext.health).
@@ -420,6 +422,12 @@ def _check_combinations(cfg: DictConfig, training: bool = True) -> None:
         )
 
 
+def _check_not_in_use(output_dir: str) -> None:
+    from torchtune_ext.run_lock import check_not_in_use
+
+    check_not_in_use(output_dir)
+
+
 def _listdir(path: str):
     return os.listdir(path) if os.path.isdir(path) else []
 
@@ -462,6 +470,8 @@ def validate(cfg: DictConfig, extra_keys: Optional[Dict[str, Key]] = None,
                 cfg[key] = spec.default
         spec.check(key, OmegaConf.to_object(cfg[key]) if OmegaConf.is_config(cfg[key]) else cfg[key])
 
+    if training:  # evaluating a checkpoint may read a folder a run is writing
+        _check_not_in_use(cfg.output_dir)
     _check_validation(cfg, training)
     _check_combinations(cfg, training)
     if cfg.device == "cuda":

@@ -28,11 +28,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 from torch.nn.modules.module import _IncompatibleKeys
 from torchtune import training
 
-from torchtune_ext.checkpoint import rng_state, set_rng_state
+from torchtune_ext.checkpoint import rng_state
 from torchtune_ext.config import ConfigError
-
-# recipe_state entry: every rank's RNG states, in rank order
-RNG_BY_RANK = "rng_by_rank"
 
 
 def init_process_group(device: torch.device, cpu_offload: bool = False) -> Tuple[int, int]:
@@ -192,26 +189,11 @@ def gather_rng_states() -> Optional[List[Dict[str, Any]]]:
 
     Ranks draw different random numbers (torchtune seeds rank ``r`` with
     ``seed + r``; dropout), so an exact resume needs each rank's own state,
-    not only rank 0's, which the checkpoint manager saves. Other ranks get None.
+    not only rank 0's (:class:`torchtune_ext.checkpoint.ResumeState`). Other ranks get None.
     """
     states = [None] * dist.get_world_size()
     dist.all_gather_object(states, rng_state())
     return states if dist.get_rank() == 0 else None
-
-
-def set_rank_rng_state(recipe_state: Dict[str, Any]) -> None:
-    """Restore this rank's RNG states from a loaded ``recipe_state``.
-
-    Uses this rank's entry of :data:`RNG_BY_RANK` when the checkpoint was
-    written by the same number of ranks; otherwise (another world size, or a
-    single-device checkpoint) rank 0's states, so the run continues, though
-    random draws such as dropout masks then differ from an uninterrupted run.
-    """
-    by_rank = recipe_state.get(RNG_BY_RANK)
-    if by_rank is not None and len(by_rank) == dist.get_world_size():
-        set_rng_state(by_rank[dist.get_rank()])
-    else:
-        set_rng_state(recipe_state["rng"])
 
 
 def destroy_process_group() -> None:

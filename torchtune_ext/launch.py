@@ -11,6 +11,9 @@ Exit statuses of the recipes:
   diverging loss, non-finite parameters), or the run ended with its last step
   skipped as non-finite. The message names the last checkpoint from before
   the damage.
+* 75 (:data:`EXIT_STOPPED`): stopped by SIGTERM or SIGINT after a checkpoint
+  was saved; continue with ``resume_from_checkpoint=true``
+  (:mod:`torchtune_ext.preemption`).
 
 Anything else is a bug or a crash and keeps its traceback.
 
@@ -48,7 +51,13 @@ from typing import Any, Callable, List, Optional
 
 EXIT_USER_ERROR = 2
 EXIT_TRAINING_FAILED = 3
-REPORTED_EXIT_CODES = (EXIT_USER_ERROR, EXIT_TRAINING_FAILED)
+# EX_TEMPFAIL of sysexits.h, "a temporary failure; retry": a checkpoint was saved, resume to continue
+EXIT_STOPPED = 75
+REPORTED_EXIT_CODES = (EXIT_USER_ERROR, EXIT_TRAINING_FAILED, EXIT_STOPPED)
+# Set by the launcher for its workers: rank 0 of a run stopped by a signal writes this file
+# (torchtune_ext.preemption), so that the launcher can exit 75 even when the signal reached it
+# too and torchrun's agent ended with its own SignalException.
+STOP_FILE_ENV = "TORCHTUNE_EXT_STOP_FILE"
 
 
 def _config_path(argv: List[str]) -> Optional[str]:
@@ -185,11 +194,22 @@ def quiet_reported_failures(run: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(run)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        import tempfile
+
+        from torch.distributed.elastic.multiprocessing.api import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+        stop_file = os.path.join(tempfile.gettempdir(), f"torchtune_ext_stop_{os.getpid()}_{time.time_ns()}")
+        os.environ[STOP_FILE_ENV] = stop_file
         try:
             return run(*args, **kwargs)
+        except SignalException:
+            if os.path.exists(stop_file):  # the workers stopped after saving (rank 0 said where)
+                sys.exit(EXIT_STOPPED)
+            raise
         except ChildFailedError as err:
+            if os.path.exists(stop_file):
+                sys.exit(EXIT_STOPPED)
             _, first = err.get_first_failure()
             reported = {r: f for r, f in err.failures.items() if f.exitcode in REPORTED_EXIT_CODES}
             if not reported or (first.exitcode >= 0 and first.exitcode not in REPORTED_EXIT_CODES):
@@ -202,6 +222,9 @@ def quiet_reported_failures(run: Callable[..., Any]) -> Callable[..., Any]:
                 message = failure.message if _is_report(failure.message) else f"error: exit status {failure.exitcode}"
                 print(f"{message} (rank {rank})", file=sys.stderr, flush=True)
             sys.exit(failure.exitcode)
+        finally:
+            if os.path.exists(stop_file):
+                os.remove(stop_file)
 
     return wrapper
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torchtune import config as tt_config
 from torchtune import utils
 
@@ -294,11 +294,15 @@ class MetricLogger:
         wandb_charts (bool): the backend is W&B: on :meth:`close`, log the
             combined loss charts of the whole run (:func:`log_wandb_loss_charts`,
             from the JSONL file, so a resumed run's chart covers all of it).
+        resume (bool): the run continues from a checkpoint in the same folder.
     """
 
-    def __init__(self, jsonl_path: Path, backend: Optional[Any] = None, rank: int = 0, wandb_charts: bool = False):
+    def __init__(self, jsonl_path: Path, backend: Optional[Any] = None, rank: int = 0, wandb_charts: bool = False,
+                 resume: bool = False):
         self._active = rank == 0
         self._backend = backend if self._active else None
+        self._resume = resume
+        self._logs = jsonl_path.parent
         self._jsonl = None
         self._path = jsonl_path
         self._wandb_charts = wandb_charts and self._backend is not None
@@ -307,8 +311,27 @@ class MetricLogger:
             self._jsonl = open(jsonl_path, "a", buffering=1)
 
     def log_config(self, cfg: DictConfig) -> None:
+        """Keep the config of every start of the run, and hand it to the backend.
+
+        Each start (the first, then every resume) writes
+        ``logs/config_<k>.yaml``, k = 0, 1, 2, ...; nothing earlier is
+        overwritten. torchtune's metric loggers write the config to
+        ``<output_dir>/torchtune_config.yaml``; after a resume that file keeps
+        the first start's config, as the backend (W&B) keeps one run.
+        """
+        if not self._active:
+            return
+        index = len(list(self._logs.glob("config_*.yaml")))
+        started = time.strftime("%Y-%m-%d %H:%M:%S")
+        kind = "resumed from its latest checkpoint" if self._resume else "started"
+        (self._logs / f"config_{index}.yaml").write_text(
+            f"# start {index} of the run in this output_dir: {kind} at {started}\n" + OmegaConf.to_yaml(cfg))
         if self._backend is not None:
+            first = Path(cfg.output_dir) / "torchtune_config.yaml"
+            kept = first.read_bytes() if self._resume and first.is_file() else None
             self._backend.log_config(cfg)
+            if kept is not None:
+                first.write_bytes(kept)
 
     def log(self, record: Mapping[str, Any]) -> None:
         """Append ``record`` (must hold ``step``) to the JSONL file and the backend."""
@@ -359,7 +382,8 @@ def build_metric_logger(cfg: DictConfig, rank: int, resume: bool = False) -> Met
                 logs.mkdir(parents=True, exist_ok=True)
                 id_file.write_text(wandb.run.id)
                 define_wandb_axes()
-    return MetricLogger(logs / "metrics.jsonl", backend, rank, wandb_charts=backend is not None and is_wandb)
+    return MetricLogger(logs / "metrics.jsonl", backend, rank, wandb_charts=backend is not None and is_wandb,
+                        resume=resume)
 
 
 class StepReporter:

@@ -1,0 +1,94 @@
+"""Checkpoints through the real recipe (``tune run``, tiny model): truthful messages, disk use, a full disk."""
+
+import re
+import subprocess
+from collections import namedtuple
+
+import pytest
+from omegaconf import OmegaConf, open_dict
+
+import resume_jobs
+from helpers import REPO_ROOT
+from torchtune_ext import checkpoint
+from torchtune_ext.checkpoint import DiskSpaceError, list_checkpoints, verify_checkpoint
+from torchtune_ext.config import output_dir_unchanged_on_error
+
+RECIPE = "recipes/full_finetune_single_device.py"
+
+
+@pytest.fixture(scope="module")
+def setup_yaml(tmp_path_factory):
+    return resume_jobs.setup(tmp_path_factory.mktemp("tiny"))
+
+
+def write_config(setup_yaml, out, *overrides, default_keep=False):
+    cfg = resume_jobs.config(setup_yaml, "full_single", out, *overrides)
+    if default_keep:
+        with open_dict(cfg):
+            del cfg["keep_last_n_checkpoints"]
+    path = out.parent / f"{out.name}.yaml"
+    OmegaConf.save(cfg, path)
+    return path
+
+
+def tune(config, *overrides, tests_importable=False):
+    env = resume_jobs.subprocess_env()
+    if tests_importable:
+        env["PYTHONPATH"] += f":{REPO_ROOT / 'tests'}"
+    return subprocess.run(["tune", "run", RECIPE, "--config", str(config), *overrides], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_save_messages_tell_the_truth(setup_yaml, tmp_path):
+    """One accurate line per checkpoint; none of torchtune's lines about ".staging/epoch_N" or a "final" save;
+    the disk use to expect at start-up; by default the two newest checkpoints are kept."""
+    out = tmp_path / "out"
+    # 4 steps per epoch, 2 epochs, a save every 2 steps: the epoch end at step 4 is also a periodic save
+    proc = tune(write_config(setup_yaml, out, "epochs=2", "save_every_n_steps=2", default_keep=True))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = proc.stdout + proc.stderr
+    for step in (2, 4, 6, 8):
+        assert text.count(f"Checkpoint saved: {out / f'step_{step}'} (") == 1, step
+    for wrong in (".staging", "epoch_", "Saving final epoch checkpoint", "saved successfully", "Checkpoint saved:"
+                  " " + str(out / "step_4") + "\nCheckpoint saved"):
+        assert wrong not in text, wrong
+    (each, at_most) = re.search(r"Checkpoints: about ([\d.]+) MiB each, 4 to write, the newest 2 kept "
+                                r"\(keep_last_n_checkpoints=2\): up to ([\d.]+) MiB in '" + re.escape(str(out)),
+                                text).groups()
+    assert [p.name for p in list_checkpoints(str(out))] == ["step_6", "step_8"]
+    written = sum(p.stat().st_size for p in (out / "step_8").iterdir()) / 2**20
+    assert written <= float(each) <= written + 1.01  # the estimate's 1 MiB margin for small files
+    assert float(at_most) == pytest.approx(3 * float(each), rel=0.01)  # 2 kept + the one being written
+
+
+def test_disk_full_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(setup_yaml, tmp_path):
+    out = tmp_path / "out"
+    config = write_config(setup_yaml, out, "save_every_n_steps=1")
+    proc = tune(config, "checkpointer._component_=fake_checkpointer.DiskFullAtStep", "checkpointer.full_at_step=2",
+                tests_importable=True)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    errors = [line[line.index("error:"):] for line in proc.stderr.splitlines() if "error:" in line]  # after the bar
+    assert len(errors) == 1 and errors[0].startswith(
+        f"error: config key 'output_dir': the disk filled up while saving step_2 in '{out}' ([Errno 28] No space "
+        "left on device): it needs about ")
+    assert f"{out / 'step_1'} is intact" in errors[0] and "resume_from_checkpoint=true" in errors[0]
+    assert not (out / ".staging").exists()
+    assert [p.name for p in list_checkpoints(str(out))] == ["step_1"]
+    verify_checkpoint(out / "step_1")
+    resumed = tune(config, "resume_from_checkpoint=true")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert sorted(resume_jobs.by_step(out)) == list(range(1, 13))
+
+
+def test_no_room_for_one_checkpoint_stops_before_training(setup_yaml, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    cfg = resume_jobs.config(setup_yaml, "full_single", out)
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 10**5, 10**5))
+    recipe = resume_jobs.recipe_class(*resume_jobs.RECIPES["full_single"][:2])(cfg)
+    with pytest.raises(DiskSpaceError, match="not enough free disk space for one checkpoint in .*: it needs about "
+                                             r"1\.\d+ MiB, 97.7 KiB are free"):
+        with output_dir_unchanged_on_error(str(out)):
+            recipe.setup()
+    assert not out.exists()  # nothing left behind

@@ -1,0 +1,120 @@
+"""SIGTERM and Ctrl-C stop a run after the step in progress, with a checkpoint, a message and exit status 75.
+
+The recipe runs as a user runs it (``tune run``, a real signal from
+``os.kill``); the resumed run must equal an uninterrupted one. Two ranks:
+tests/test_resume_chain.py.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from omegaconf import OmegaConf
+
+import resume_jobs
+from helpers import REPO_ROOT, read_jsonl, run_tune
+from torchtune_ext.checkpoint import list_checkpoints, verify_checkpoint
+from torchtune_ext.preemption import REPEAT_WINDOW_S, STOPPED_EXIT_STATUS, resume_command
+
+RECIPE = "recipes/full_finetune_single_device.py"
+LONG = ["epochs=12"]  # 48 steps of a few milliseconds each: the signal arrives mid-run
+
+
+def start_tune(config, *args):
+    return subprocess.Popen(["tune", "run", *args, RECIPE, "--config", str(config)], cwd=REPO_ROOT,
+                            env=resume_jobs.subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_steps(proc, metrics, n, timeout=300):
+    deadline = time.time() + timeout
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= n):
+        assert proc.poll() is None, "the run ended before it could be signalled: " + proc.communicate()[1][-2000:]
+        assert time.time() < deadline
+        time.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The tiny setup's YAML and the uninterrupted run's metrics (in process)."""
+    root = tmp_path_factory.mktemp("tiny")
+    setup_yaml = resume_jobs.setup(root)
+    assert resume_jobs.run("full_single", resume_jobs.config(setup_yaml, "full_single", root / "ref", *LONG)) == 0
+    return setup_yaml, resume_jobs.by_step(root / "ref")
+
+
+def write_config(tiny, out):
+    path = out.parent / f"{out.name}.yaml"
+    OmegaConf.save(resume_jobs.config(tiny[0], "full_single", out, *LONG), path)
+    return path
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_saves_says_how_to_resume_and_resumes_exactly(tiny, tmp_path, signum):
+    out = tmp_path / "out"
+    config = write_config(tiny, out)
+    proc = start_tune(config)
+    wait_for_steps(proc, out / "logs" / "metrics.jsonl", 3)
+    os.kill(proc.pid, signum)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == STOPPED_EXIT_STATUS, stderr[-3000:]
+    assert "Traceback" not in stderr
+    checkpoint = list_checkpoints(str(out))[-1]  # the stop's (before it: one at each epoch end)
+    verify_checkpoint(checkpoint)
+    step = int(checkpoint.name.split("_")[1])
+    name = signal.Signals(signum).name
+    expected = (f"Stopped on {name} after optimizer step {step}; checkpoint: {checkpoint}. Continue with: tune run "
+                f"{RECIPE} --config {config} resume_from_checkpoint=true  (exit status 75)")
+    assert expected in stderr, stderr[-2000:]
+    assert [r["step"] for r in read_jsonl(out / "logs" / "metrics.jsonl")] == list(range(1, step + 1))
+    assert step < 48
+    if signum == signal.SIGINT:
+        return  # the same path as SIGTERM from here on
+
+    resumed = run_tune(RECIPE, "--config", str(config), "resume_from_checkpoint=true", extra_env={"OMP_NUM_THREADS": "1"})
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    got, ref = resume_jobs.by_step(out), tiny[1]
+    assert sorted(got) == sorted(ref)
+    for s in ref:  # one thread in both processes: bit for bit
+        assert [got[s][f] for f in resume_jobs.FIELDS] == [ref[s][f] for f in resume_jobs.FIELDS], s
+
+
+SCRIPT = textwrap.dedent("""
+    import os, signal, sys, time
+    import torch
+    from torchtune_ext.preemption import GracefulStop
+    stop = GracefulStop(torch.device("cpu"))
+    assert not stop.requested()
+    os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), signal.SIGTERM)   # a repeat within the window: the same request (torchrun forwards)
+    assert stop.requested()
+    print("still running", flush=True)
+    time.sleep({pause})
+    os.kill(os.getpid(), signal.SIGINT)    # a second request: stop at once
+    time.sleep(5)
+    print("not stopped", flush=True)
+""")
+
+
+def test_second_signal_stops_at_once():
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    proc = subprocess.run([sys.executable, "-c", SCRIPT.format(pause=REPEAT_WINDOW_S + 0.2)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 128 + signal.SIGINT, proc.stderr
+    assert proc.stdout == "still running\n"
+    assert "SIGTERM received: stopping after the current optimizer step" in proc.stderr
+    assert "SIGINT received again: stopping at once" in proc.stderr
+
+
+def test_resume_command_names_the_recipe_file(monkeypatch):
+    argv = ["recipes.full_finetune_single_device", "--config", "my config.yaml", "resume_from_checkpoint=false",
+            "batch_size=4"]
+    assert resume_command(argv) == ("tune run recipes/full_finetune_single_device.py --config 'my config.yaml' "
+                                    "batch_size=4 resume_from_checkpoint=true")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert resume_command([str(REPO_ROOT / "recipes/x.py"), "--config", "c.yaml"]).startswith(
+        "tune run --nproc_per_node 2 ")

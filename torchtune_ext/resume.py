@@ -1,0 +1,161 @@
+"""Continuing a run from its checkpoint under the settings of the new command line.
+
+A resumed run takes from its checkpoint what the run has become: the
+weights, the optimizer's moments, the step counters, the position in the
+data (in samples, so any batch size, accumulation and world size continue at
+the right sample) and the RNG states. It takes from its config how to go
+on, and says in one line what changed; nothing is ignored in silence:
+
+* **Optimizer hyper-parameters** (``optimizer.lr``, ``weight_decay``,
+  ``betas``, ...) are the config's. A checkpoint's optimizer state would
+  otherwise bring back the old values with its param groups.
+* **The LR schedule** is built again from the config for the run's total
+  optimizer steps (the steps done plus those left at the new global batch
+  size) and advanced to the step reached: with unchanged settings this gives
+  the uninterrupted run's learning rates exactly; with a new length, peak or
+  global batch the run continues on the new curve at the step reached (the
+  warmup does not start over).
+* **The global batch size** (data-parallel ranks x ``batch_size`` x
+  ``gradient_accumulation_steps``) may change: one line gives the old and new
+  values and the sample the run continues at.
+* **``seed``** stays the run's: the order of the epoch in progress depends on
+  it. A different ``seed`` in the config is reported and not used.
+* **``shuffle``** may change only at an epoch boundary: in the middle of an
+  epoch the new order would train some samples twice and others never, so the
+  run is refused with a message.
+"""
+
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torchtune.utils import get_logger
+
+from torchtune_ext.checkpoint import ResumeState
+from torchtune_ext.config import ConfigError
+
+log = get_logger()
+
+# Keys whose change at resume is the point of resuming, not a change of the run.
+_NOT_SETTINGS = ("resume_from_checkpoint",)
+
+
+def _flatten(node: Any, prefix: str = "") -> Dict[str, Any]:
+    if isinstance(node, dict):
+        out: Dict[str, Any] = {}
+        for key, value in node.items():
+            out.update(_flatten(value, f"{prefix}{key}."))
+        return out
+    return {prefix[:-1]: node}
+
+
+def changed_settings(saved: Optional[Dict[str, Any]], cfg: DictConfig, saved_world_size: int,
+                     dp_world_size: int) -> List[Tuple[str, Any, Any]]:
+    """``(key, old, new)`` for every config key (dotted) that differs from the saved run's.
+
+    ``dp_world_size`` is listed as a key too; a nested key set on one side
+    only is listed with None on the other. Top-level keys that only one of
+    the two recipes knows (``fsdp_cpu_offload`` when a distributed run
+    resumes on the single-device recipe) are not. Returns ``[]`` when the
+    checkpoint holds no config (written by an earlier version).
+    """
+    if saved is None:
+        return []
+    current = OmegaConf.to_container(cfg, resolve=True)
+    shared = set(saved) & set(current)
+    old = _flatten({**{k: v for k, v in saved.items() if k in shared}, "dp_world_size": saved_world_size})
+    new = _flatten({**{k: v for k, v in current.items() if k in shared}, "dp_world_size": dp_world_size})
+    missing = object()
+    changes = []
+    for key in sorted(set(old) | set(new)):
+        if key.split(".")[0] in _NOT_SETTINGS:
+            continue
+        a, b = old.get(key, missing), new.get(key, missing)
+        if a != b:
+            changes.append((key, None if a is missing else a, None if b is missing else b))
+    return changes
+
+
+def global_batch_size(cfg: Any, dp_world_size: int) -> int:
+    """Samples per optimizer step, all ranks: ranks x ``batch_size`` x ``gradient_accumulation_steps``."""
+    return dp_world_size * cfg["batch_size"] * cfg["gradient_accumulation_steps"]
+
+
+def check_resume(resumed: ResumeState, cfg: DictConfig) -> None:
+    """Refuse settings a run cannot continue with; call it before building anything.
+
+    Raises:
+        ConfigError: (key ``shuffle``) ``shuffle`` changed in the middle of an epoch.
+    """
+    saved = resumed.config
+    if saved is not None and saved.get("shuffle") != cfg.shuffle and resumed.progress.samples_in_epoch:
+        raise ConfigError("shuffle", f"the run was saved in the middle of epoch {resumed.progress.epoch} with "
+                          f"shuffle={saved.get('shuffle')}: another order would train some of the epoch's "
+                          "samples twice and others never. Resume with the same shuffle; it may change from "
+                          "the next epoch on (at a checkpoint written at an epoch's end)")
+
+
+def restore_training(resumed: ResumeState, cfg: DictConfig, optimizer: torch.optim.Optimizer, lr_scheduler: Any,
+                     *, dp_world_size: int = 1, rank: int = 0,
+                     load_optimizer_state: Optional[Callable[[Dict[str, Any]], None]] = None) -> None:
+    """Continue the optimizer and LR schedule of a resumed run, with the config's settings.
+
+    Call it after building the optimizer from the config and the scheduler
+    for ``progress.total_steps`` (planned with the new settings). Loads the
+    optimizer state (its moments), puts back the config's hyper-parameters,
+    advances the scheduler to ``resumed.progress.step`` and logs (rank 0)
+    what changed against the checkpoint's run.
+
+    Args:
+        resumed: the loaded checkpoint state.
+        cfg: the validated config of this run.
+        optimizer: built from ``cfg.optimizer``.
+        lr_scheduler: built from ``cfg.lr_scheduler``, or None.
+        dp_world_size: data-parallel ranks of this run.
+        rank: this process's rank (only rank 0 logs).
+        load_optimizer_state: loads the full optimizer state dict into
+            ``optimizer`` (sharded models); default ``optimizer.load_state_dict``.
+    """
+    configured = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    (load_optimizer_state or optimizer.load_state_dict)(resumed.optimizer)
+    for group, settings in zip(optimizer.param_groups, configured):
+        group.update(settings)  # the config's lr, betas, weight decay ... (and the scheduler's initial_lr)
+    step = resumed.progress.step
+    if lr_scheduler is not None:
+        with warnings.catch_warnings():
+            # "lr_scheduler.step() before optimizer.step()": on purpose, the optimizer stepped before the resume
+            warnings.simplefilter("ignore", UserWarning)
+            for _ in range(step):
+                lr_scheduler.step()  # as the run did, so any scheduler reaches the same state
+    if rank == 0:
+        for line in _report(resumed, cfg, optimizer, lr_scheduler, dp_world_size):
+            log.info(line)
+
+
+def _report(resumed: ResumeState, cfg: DictConfig, optimizer: torch.optim.Optimizer, lr_scheduler: Any,
+            dp_world_size: int) -> List[str]:
+    progress, saved = resumed.progress, resumed.config
+    lines = []
+    changes = [c for c in changed_settings(saved, cfg, resumed.dp_world_size, dp_world_size) if c[0] != "seed"]
+    if changes:
+        listed = ", ".join(f"{key} {old!r} -> {new!r}" for key, old, new in changes)
+        lines.append(f"Resuming with changed settings, applied from step {progress.step + 1}: {listed}")
+    if cfg.seed is not None and cfg.seed != progress.seed:
+        lines.append(f"seed={cfg.seed} is not used: the run continues with its seed {progress.seed} "
+                     "(the order of its epochs depends on it)")
+    if saved is not None:
+        old, new = global_batch_size(saved, resumed.dp_world_size), global_batch_size(cfg, dp_world_size)
+        if old != new:
+            lines.append(
+                f"The global batch changes at resume: {old} -> {new} samples per optimizer step "
+                f"({resumed.dp_world_size} ranks x batch_size {saved['batch_size']} x gradient_accumulation_steps "
+                f"{saved['gradient_accumulation_steps']} -> {dp_world_size} x {cfg.batch_size} x "
+                f"{cfg.gradient_accumulation_steps}); epoch {progress.epoch} continues at sample "
+                f"{progress.samples_in_epoch}")
+    old_total = resumed.saved_total_steps
+    if lr_scheduler is not None and old_total and old_total != progress.total_steps:
+        lr = optimizer.param_groups[0]["lr"]
+        lines.append(f"The LR schedule is rebuilt for {progress.total_steps} optimizer steps (was {old_total}) "
+                     f"and continues at step {progress.step + 1} with lr {lr:.4g}")
+    return lines
