@@ -37,7 +37,9 @@ def snapshot(folder):
 
 def test_resume_after_sigkill_mid_epoch_is_exact(tiny_run):
     """Kill a run mid-step; resuming reproduces the uninterrupted run's losses exactly."""
-    overrides = dict(batch_size=2, gradient_accumulation_steps=3, epochs=2, save_every_n_steps=2)
+    # keep every checkpoint: the one resumed from must still be there, unchanged, at the end
+    overrides = dict(batch_size=2, gradient_accumulation_steps=3, epochs=2, save_every_n_steps=2,
+                     keep_last_n_checkpoints=None)
     reference = tiny_run("reference", **overrides)
     assert tune(reference).returncode == 0
     expected = by_step(read_jsonl(reference.parent / "out/logs/metrics.jsonl"))
