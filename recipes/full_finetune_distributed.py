@@ -166,7 +166,8 @@ class FullFinetuneRecipeDistributed:
         model_state = distributed.gather_full_model_state_dict(self._model, self._device)
         optimizer_state = distributed.gather_full_optimizer_state_dict(self._model, self._optimizer)
         return self._checkpoints.save({training.MODEL_KEY: model_state}, self.progress, optimizer_state,
-                                      rng_by_rank=distributed.gather_rng_states())
+                                      rng_by_rank=distributed.gather_rng_states(),
+                                      suspect_from=self._health.suspect_from)
 
     def cleanup(self) -> None:
         self._metric_logger.close()

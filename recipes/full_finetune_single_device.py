@@ -149,7 +149,7 @@ class FullFinetuneRecipeSingleDevice:
     # ------------------------------------------------------------- checkpoint
     def save_checkpoint(self) -> Path:
         return self._checkpoints.save({training.MODEL_KEY: self._model.state_dict()}, self.progress,
-                                      self._optimizer.state_dict())
+                                      self._optimizer.state_dict(), suspect_from=self._health.suspect_from)
 
     def cleanup(self) -> None:
         self._metric_logger.close()

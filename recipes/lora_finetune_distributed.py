@@ -208,7 +208,8 @@ class LoRAFinetuneRecipeDistributed:
         model_state = distributed.gather_full_model_state_dict(self._model, self._device)
         state = lora_checkpoint_state(model_state, self.cfg.model, self.cfg.save_adapter_weights_only)
         return self._checkpoints.save(state, self.progress, optimizer_state, rng_by_rank=distributed.gather_rng_states(),
-                                      adapter_only=self.cfg.save_adapter_weights_only)
+                                      adapter_only=self.cfg.save_adapter_weights_only,
+                                      suspect_from=self._health.suspect_from)
 
     def cleanup(self) -> None:
         self._metric_logger.close()

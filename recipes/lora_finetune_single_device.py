@@ -186,7 +186,8 @@ class LoRAFinetuneRecipeSingleDevice:
     def save_checkpoint(self) -> Path:
         state = lora_checkpoint_state(self._model.state_dict(), self.cfg.model, self.cfg.save_adapter_weights_only)
         return self._checkpoints.save(state, self.progress, self._optimizer.state_dict(),
-                                      adapter_only=self.cfg.save_adapter_weights_only)
+                                      adapter_only=self.cfg.save_adapter_weights_only,
+                                      suspect_from=self._health.suspect_from)
 
     def cleanup(self) -> None:
         self._metric_logger.close()

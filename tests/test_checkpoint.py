@@ -79,6 +79,17 @@ def test_prune_keeps_last_n_after_completion(manager):
     assert [p.name for p in list_checkpoints(str(manager.output_dir))] == ["step_2", "step_3"]
 
 
+def test_prune_keeps_the_last_checkpoint_from_before_the_damage(manager):
+    """While the health checks distrust steps >= 3, step_2 (the one to resume from) is never pruned."""
+    for step in (1, 2):
+        save(manager, step)
+    for step in (3, 4, 5):
+        manager.save({"model": {"w": b"w"}}, Progress(step=step, seed=3), {}, suspect_from=3)
+    assert [p.name for p in list_checkpoints(str(manager.output_dir))] == ["step_2", "step_4", "step_5"]
+    save(manager, 6)  # healthy again: ordinary pruning
+    assert [p.name for p in list_checkpoints(str(manager.output_dir))] == ["step_5", "step_6"]
+
+
 def test_same_step_is_not_written_twice(manager):
     path = save(manager, 5, b"periodic")
     assert save(manager, 5, b"epoch-end") == path

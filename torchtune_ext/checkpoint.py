@@ -487,7 +487,8 @@ class CheckpointManager:
             log.info(line)
 
     def save(self, state_dict: Dict[str, Any], progress: Progress, optimizer_state: Dict[str, Any], *,
-             rng_by_rank: Optional[List[Dict[str, Any]]] = None, adapter_only: bool = False) -> Path:
+             rng_by_rank: Optional[List[Dict[str, Any]]] = None, adapter_only: bool = False,
+             suspect_from: Optional[int] = None) -> Path:
         """Write ``step_<progress.step>`` atomically (rank 0 writes; every rank gets the outcome).
 
         Args:
@@ -500,6 +501,9 @@ class CheckpointManager:
             rng_by_rank: every rank's :func:`rng_state`, in rank order; None:
                 this process's (one rank).
             adapter_only: LoRA: save only the adapter (no merged model).
+            suspect_from: the first optimizer step whose parameters the health
+                checks distrust (``StepHealth.suspect_from``); pruning then also
+                keeps the newest checkpoint from before it, the one to resume from.
 
         Returns:
             Path of the checkpoint folder. A step saved already (the end of an
@@ -516,7 +520,8 @@ class CheckpointManager:
         outcome: Any = None
         if _is_rank_zero():
             try:
-                outcome = self._write(final, state_dict, progress, optimizer_state, rng_by_rank, adapter_only)
+                outcome = self._write(final, state_dict, progress, optimizer_state, rng_by_rank, adapter_only,
+                                      suspect_from)
             except BaseException as err:
                 # exceptions do not all pickle: send what the other ranks raise
                 if isinstance(err, ConfigError):
@@ -531,7 +536,8 @@ class CheckpointManager:
         return final
 
     def _write(self, final: Path, state_dict: Dict[str, Any], progress: Progress, optimizer_state: Dict[str, Any],
-               rng_by_rank: Optional[List[Dict[str, Any]]], adapter_only: bool) -> None:
+               rng_by_rank: Optional[List[Dict[str, Any]]], adapter_only: bool,
+               suspect_from: Optional[int] = None) -> None:
         if (final / MANIFEST).is_file():
             return  # this step is saved already
         if final.exists():  # not written by a save (no manifest): keep it, under another name
@@ -577,7 +583,7 @@ class CheckpointManager:
         os.replace(written, final)
         _fsync_dir(self.output_dir)
         shutil.rmtree(self.staging, ignore_errors=True)
-        self._prune(keep=final)
+        self._prune(keep=final, suspect_from=suspect_from)
         log.info(f"Checkpoint saved: {final} ({format_bytes(sum(files.values()))} in "
                  f"{time.perf_counter() - start:.1f} s)")
 
@@ -608,11 +614,15 @@ class CheckpointManager:
                               f"are free{now}; {done} and {kept}. Free some space (or lower "
                               "keep_last_n_checkpoints), then continue with resume_from_checkpoint=true")
 
-    def _prune(self, keep: Path) -> None:
+    def _prune(self, keep: Path, suspect_from: Optional[int] = None) -> None:
         if self.keep_last_n is None:
             return
-        for old in list_checkpoints(str(self.output_dir))[: -self.keep_last_n]:
-            if old != keep:  # the checkpoint a resume would start from stays, whatever the numbering
+        found = list_checkpoints(str(self.output_dir))
+        protected = {keep}  # the checkpoint a resume would start from stays, whatever the numbering
+        if suspect_from is not None:  # and the last one saved before the health checks' first bad sign
+            protected.update([p for p in found if int(p.name.split("_")[1]) < suspect_from][-1:])
+        for old in found[: -self.keep_last_n]:
+            if old not in protected:
                 shutil.rmtree(old)
 
 

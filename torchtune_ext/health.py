@@ -144,6 +144,15 @@ class StepHealth:
         self._nonfinite_run: List[int] = []  # non-finite steps in a row, up to now
         self.skipped = {"non-finite": [], "empty": []}
 
+    @property
+    def suspect_from(self) -> Optional[int]:
+        """The first step whose parameters are suspect in the current incident, or None when healthy.
+
+        Checkpoint ``step_<j>`` predates the damage iff ``j < suspect_from``; the
+        checkpoint manager never prunes the newest such checkpoint.
+        """
+        return self._suspect_from
+
     # ----------------------------------------------------------------- checks
     def empty(self, step: int) -> None:
         """Step ``step`` had no trainable token on any rank and was skipped."""
