@@ -11,6 +11,7 @@ import glob
 import json
 import os
 import struct
+import time
 from typing import Dict, List
 
 from wandb.proto import wandb_internal_pb2 as pb
@@ -56,11 +57,22 @@ def read_offline_run(wandb_dir: str) -> Dict[str, object]:
     history: List[dict] = []
     config: Dict[str, object] = {}
     metrics: Dict[str, dict] = {}
-    with open(files[0], "rb") as f:
-        data = f.read()
-    for raw in _records(data):
-        record = pb.Record()
-        record.ParseFromString(raw)
+    # wandb's service process may still be writing when wandb.finish() returns on a
+    # busy machine: wait (up to a minute) for the run's closing "exit" record.
+    deadline = time.time() + 60
+    while True:
+        with open(files[0], "rb") as f:
+            data = f.read()
+        records = []
+        for raw in _records(data):
+            try:
+                records.append(pb.Record.FromString(raw))
+            except Exception:  # the record being written right now
+                break
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.time() > deadline:
+            break
+        time.sleep(0.5)
+    for record in records:
         kind = record.WhichOneof("record_type")
         if kind == "history":
             history.append({
