@@ -37,11 +37,14 @@ from torchtune_ext.evaluate import Validator, build_val_loader
 from torchtune_ext.loss import build_loss
 from torchtune_ext.memory import MemoryGuard
 from torchtune_ext.metrics import StepReporter, build_metric_logger
+from torchtune_ext.optim_in_bwd import build_optimizer
 from torchtune_ext.preflight import check_components
 from torchtune_ext.preemption import GracefulStop
 from torchtune_ext.resume import check_resume, restore_training
 from torchtune_ext.run_lock import OutputDirLock
+from torchtune_ext.runtime import build_profiler, offload_activations
 from torchtune_ext.step import StepHealth, build_lr_scheduler, train_step
+from torchtune_ext.upstream import describe_model
 
 log = utils.get_logger("INFO")
 
@@ -86,7 +89,7 @@ class FullFinetuneRecipeDistributed:
         self._checkpoints = CheckpointManager.from_config(cfg, dp_world_size=self._world_size)
         checkpoint = self._checkpoints.load(resume_from)
         self._model = self._setup_model(cfg.model, checkpoint[training.MODEL_KEY], resume_from)
-        self._optimizer = config.instantiate(cfg.optimizer, self._model.parameters())
+        self._optimizer = build_optimizer(cfg.optimizer, self._model.parameters(), cfg.optimizer_in_bwd)
         self._memory_guard = MemoryGuard(self._model, self._device, self._optimizer, activation_dtype=self._dtype)
         self._lr_scheduler = build_lr_scheduler(cfg.lr_scheduler, self._optimizer, total_steps)
         if resumed:
@@ -102,6 +105,7 @@ class FullFinetuneRecipeDistributed:
         self._metric_logger = build_metric_logger(cfg, rank=self._rank, resume=bool(resumed))
         self._metric_logger.log_config(cfg)
         self._validator = Validator(cfg, self._val_data, self._model, self._loss_fn, self._metric_logger, self._device)
+        self._profiler = build_profiler(cfg.profiler)
         if resumed:  # last: building the model consumed random numbers
             set_rng_state(resumed.rng_for(self._rank, self._world_size))
 
@@ -112,11 +116,15 @@ class FullFinetuneRecipeDistributed:
             model = config.instantiate(cfg_model)
         if self.cfg.enable_activation_checkpointing:
             training.set_activation_checkpointing(model, auto_wrap_policy={modules.TransformerSelfAttentionLayer})
+        offload_activations(model, self.cfg.enable_activation_offloading)
         if self.cfg.compile:
             training.compile_model(model)
-        distributed.shard_model(model, self._device, cpu_offload=self.cfg.fsdp_cpu_offload)
+        distributed.shard_model(model, self._device, cpu_offload=self.cfg.fsdp_cpu_offload,
+                                reshard_after_forward=self.cfg.fsdp_reshard_after_forward,
+                                custom_sharded_layers=self.cfg.custom_sharded_layers)
         distributed.load_full_model_state_dict(model, state_dict, self._device, cpu_offload=self.cfg.fsdp_cpu_offload,
-                                               source=source or self.cfg.checkpointer.checkpoint_dir)
+                                               source=source or self.cfg.checkpointer.checkpoint_dir,
+                                               model_name=describe_model(self.cfg))
         training.validate_expected_param_dtype(model.named_parameters(), dtype=self._dtype)
         self._loss_fn.take_output_projection(model)  # the model returns hidden states; the loss projects
         utils.log_rank_zero(log, f"Model: {sum(p.numel() for p in model.parameters()):,} parameters, "
@@ -130,7 +138,8 @@ class FullFinetuneRecipeDistributed:
         reporter = StepReporter(self._metric_logger, self._device, total_steps=progress.total_steps,
                                 initial_step=progress.step, log_every_n_steps=cfg.log_every_n_steps,
                                 dp_world_size=self._world_size, rank=self._rank, model=self._model, dtype=self._dtype,
-                                peak_tflops_per_device=cfg.peak_tflops_per_device)
+                                peak_tflops_per_device=cfg.peak_tflops_per_device,
+                                log_peak_memory=cfg.log_peak_memory_stats, profiler=self._profiler)
         self._validator.at_start(progress)
         while progress.epoch < cfg.epochs:
             for step_data in self._data.epoch(progress.epoch, progress.samples_in_epoch, progress.steps_in_epoch):

@@ -34,11 +34,14 @@ from torchtune_ext.evaluate import Validator, build_val_loader
 from torchtune_ext.loss import build_loss
 from torchtune_ext.memory import MemoryGuard
 from torchtune_ext.metrics import StepReporter, build_metric_logger
+from torchtune_ext.optim_in_bwd import build_optimizer
 from torchtune_ext.preflight import check_components
 from torchtune_ext.preemption import GracefulStop
 from torchtune_ext.resume import check_resume, restore_training
 from torchtune_ext.run_lock import OutputDirLock
+from torchtune_ext.runtime import build_profiler, offload_activations
 from torchtune_ext.step import StepHealth, build_lr_scheduler, train_step
+from torchtune_ext.upstream import describe_model
 
 log = utils.get_logger("INFO")
 
@@ -80,7 +83,7 @@ class FullFinetuneRecipeSingleDevice:
         self._checkpoints = CheckpointManager.from_config(cfg)
         checkpoint = self._checkpoints.load(resume_from)
         self._model = self._setup_model(cfg.model, checkpoint[training.MODEL_KEY], resume_from)
-        self._optimizer = config.instantiate(cfg.optimizer, self._model.parameters())
+        self._optimizer = build_optimizer(cfg.optimizer, self._model.parameters(), cfg.optimizer_in_bwd)
         self._memory_guard = MemoryGuard(self._model, self._device, self._optimizer, activation_dtype=self._dtype)
         self._lr_scheduler = build_lr_scheduler(cfg.lr_scheduler, self._optimizer, total_steps)
         if resumed:
@@ -93,6 +96,7 @@ class FullFinetuneRecipeSingleDevice:
         self._metric_logger = build_metric_logger(cfg, rank=0, resume=bool(resumed))
         self._metric_logger.log_config(cfg)
         self._validator = Validator(cfg, self._val_data, self._model, self._loss_fn, self._metric_logger, self._device)
+        self._profiler = build_profiler(cfg.profiler)
         if resumed:
             set_rng_state(resumed.rng_for(0, 1))  # last: building the model consumed random numbers
 
@@ -101,7 +105,9 @@ class FullFinetuneRecipeSingleDevice:
             model = config.instantiate(cfg_model)
         if self.cfg.enable_activation_checkpointing:
             training.set_activation_checkpointing(model, auto_wrap_policy={modules.TransformerSelfAttentionLayer})
-        load_model_state(model, state_dict, source or self.cfg.checkpointer.checkpoint_dir)
+        offload_activations(model, self.cfg.enable_activation_offloading)
+        load_model_state(model, state_dict, source or self.cfg.checkpointer.checkpoint_dir,
+                         model_name=describe_model(self.cfg))
         training.validate_expected_param_dtype(model.named_parameters(), dtype=self._dtype)
         if self.cfg.compile:
             training.compile_model(model)
@@ -116,7 +122,8 @@ class FullFinetuneRecipeSingleDevice:
         cfg, progress = self.cfg, self.progress
         reporter = StepReporter(self._metric_logger, self._device, total_steps=progress.total_steps,
                                 initial_step=progress.step, log_every_n_steps=cfg.log_every_n_steps,
-                                model=self._model, dtype=self._dtype, peak_tflops_per_device=cfg.peak_tflops_per_device)
+                                model=self._model, dtype=self._dtype, peak_tflops_per_device=cfg.peak_tflops_per_device,
+                                log_peak_memory=cfg.log_peak_memory_stats, profiler=self._profiler)
         self._validator.at_start(progress)
         while progress.epoch < cfg.epochs:
             for step_data in self._data.epoch(progress.epoch, progress.samples_in_epoch, progress.steps_in_epoch):

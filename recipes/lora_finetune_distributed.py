@@ -11,11 +11,12 @@ ranks, exactly as in the full-finetune recipes: the accounting lives in
 this file builds and shards the LoRA model, trains the adapter and saves it,
 gathered to the single-device format. ``batch_size`` is per rank.
 
-A checkpoint ``<output_dir>/step_<N>/`` holds the adapter (``adapter_model.pt``
-in torchtune's key names, ``adapter_model.safetensors`` and
-``adapter_config.json`` for PEFT) and, unless ``save_adapter_weights_only``,
-the merged model in the base checkpoint's HF format. Resuming loads the base
-weights from the base checkpoint and the adapter from the latest step folder.
+A checkpoint ``<output_dir>/step_<N>/`` holds, unless ``save_adapter_weights_only``,
+the merged model in the base checkpoint's HF format (the folder loads as that
+model), and the adapter in ``adapter/`` (``adapter_model.pt`` in torchtune's key
+names; ``adapter_model.safetensors`` and ``adapter_config.json`` for PEFT).
+Resuming loads the base weights from the base checkpoint and the adapter from
+the latest step folder.
 """
 
 import sys
@@ -44,12 +45,15 @@ from torchtune_ext.evaluate import Validator, build_val_loader
 from torchtune_ext.loss import build_loss
 from torchtune_ext.memory import MemoryGuard
 from torchtune_ext.metrics import StepReporter, build_metric_logger
-from torchtune_ext.models import initialize_adapters
+from torchtune_ext.models import initialize_adapters, instantiate_lora_model
+from torchtune_ext.optim_in_bwd import build_optimizer
 from torchtune_ext.preflight import check_components
 from torchtune_ext.preemption import GracefulStop
 from torchtune_ext.resume import check_resume, restore_training
 from torchtune_ext.run_lock import OutputDirLock
+from torchtune_ext.runtime import build_profiler, offload_activations
 from torchtune_ext.step import StepHealth, build_lr_scheduler, train_step
+from torchtune_ext.upstream import describe_model
 
 log = utils.get_logger("INFO")
 
@@ -96,7 +100,7 @@ class LoRAFinetuneRecipeDistributed:
         checkpoint = self._checkpoints.load(resume_from, adapter=True)
         self._model = self._setup_model(cfg.model, checkpoint[training.MODEL_KEY], checkpoint.get(training.ADAPTER_KEY))
         # Only the adapter: the step's grad_norm and clipping cover exactly what trains.
-        self._optimizer = config.instantiate(cfg.optimizer, self._adapter_params.values())
+        self._optimizer = build_optimizer(cfg.optimizer, self._adapter_params.values(), cfg.optimizer_in_bwd)
         self._memory_guard = MemoryGuard(self._model, self._device, self._optimizer, activation_dtype=self._dtype)
         self._lr_scheduler = build_lr_scheduler(cfg.lr_scheduler, self._optimizer, total_steps)
         if resumed:
@@ -113,6 +117,7 @@ class LoRAFinetuneRecipeDistributed:
         self._metric_logger = build_metric_logger(cfg, rank=self._rank, resume=bool(resumed))
         self._metric_logger.log_config(cfg)
         self._validator = Validator(cfg, self._val_data, self._model, self._loss_fn, self._metric_logger, self._device)
+        self._profiler = build_profiler(cfg.profiler)
         if resumed:  # last: building the model drew random numbers; lora_dropout draws more
             set_rng_state(resumed.rng_for(self._rank, self._world_size))
 
@@ -120,20 +125,22 @@ class LoRAFinetuneRecipeDistributed:
                      adapter_state: Optional[Dict[str, Any]]) -> torch.nn.Module:
         # Built on the meta device: no rank materializes the full model; each
         # receives only its shard when the weights are loaded.
-        with training.set_default_dtype(self._dtype), torch.device("meta"):
-            model = config.instantiate(cfg_model)
+        model = instantiate_lora_model(cfg_model, self._dtype, torch.device("meta"))
         # The adapters are small: in full on CPU, from the run's seed, as in every recipe and world size.
         initialize_adapters(model, self.progress.seed)
         set_trainable_params(model, get_adapter_params(model))
         if self.cfg.enable_activation_checkpointing:
             training.set_activation_checkpointing(model, auto_wrap_policy={modules.TransformerSelfAttentionLayer})
+        offload_activations(model, self.cfg.enable_activation_offloading)
         if self.cfg.compile:
             training.compile_model(model)
         offload = self.cfg.fsdp_cpu_offload
-        distributed.shard_model(model, self._device, cpu_offload=offload)
+        distributed.shard_model(model, self._device, cpu_offload=offload,
+                                reshard_after_forward=self.cfg.fsdp_reshard_after_forward,
+                                custom_sharded_layers=self.cfg.custom_sharded_layers)
         base_missing, base_unexpected = distributed.load_full_model_state_dict(
             model, base_state, self._device, cpu_offload=offload, strict=False,
-            source=self.cfg.checkpointer.checkpoint_dir,
+            source=self.cfg.checkpointer.checkpoint_dir, model_name=describe_model(self.cfg),
         )
         for module in model.modules():
             if hasattr(module, "initialize_dora_magnitude"):
@@ -148,9 +155,10 @@ class LoRAFinetuneRecipeDistributed:
                 raise recipe_config.ConfigError(
                     "resume_from_checkpoint", f"the saved adapter does not fit model.lora_rank: resume with the "
                     f"LoRA settings it was trained with ({err})") from None
+        settings = recipe_config.lora_settings(cfg_model)
         validate_missing_and_unexpected_for_lora(
-            lora_attn_modules=list(cfg_model.lora_attn_modules), apply_lora_to_mlp=cfg_model.apply_lora_to_mlp,
-            apply_lora_to_output=cfg_model.apply_lora_to_output, base_missing=base_missing,
+            lora_attn_modules=list(settings.lora_attn_modules), apply_lora_to_mlp=settings.apply_lora_to_mlp,
+            apply_lora_to_output=settings.apply_lora_to_output, base_missing=base_missing,
             base_unexpected=base_unexpected, lora_missing=adapter_missing, lora_unexpected=adapter_unexpected,
         )
         # Sharding replaced every parameter: collect the adapter's anew.
@@ -171,7 +179,8 @@ class LoRAFinetuneRecipeDistributed:
         reporter = StepReporter(self._metric_logger, self._device, total_steps=progress.total_steps,
                                 initial_step=progress.step, log_every_n_steps=cfg.log_every_n_steps,
                                 dp_world_size=self._world_size, rank=self._rank, model=self._model, dtype=self._dtype,
-                                peak_tflops_per_device=cfg.peak_tflops_per_device)
+                                peak_tflops_per_device=cfg.peak_tflops_per_device,
+                                log_peak_memory=cfg.log_peak_memory_stats, profiler=self._profiler)
         self._validator.at_start(progress)
         while progress.epoch < cfg.epochs:
             for step_data in self._data.epoch(progress.epoch, progress.samples_in_epoch, progress.steps_in_epoch):

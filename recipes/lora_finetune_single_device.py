@@ -9,11 +9,12 @@ number of trainable label tokens in the whole step, exactly as in the
 full-finetune recipe: the accounting lives in ``torchtune_ext.step``; this file
 builds the LoRA model, trains the adapter and saves it.
 
-A checkpoint ``<output_dir>/step_<N>/`` holds the adapter (``adapter_model.pt``
-in torchtune's key names, ``adapter_model.safetensors`` and
-``adapter_config.json`` for PEFT) and, unless ``save_adapter_weights_only``,
-the merged model in the base checkpoint's HF format. Resuming loads the base
-weights from the base checkpoint and the adapter from the latest step folder.
+A checkpoint ``<output_dir>/step_<N>/`` holds, unless ``save_adapter_weights_only``,
+the merged model in the base checkpoint's HF format (the folder loads as that
+model), and the adapter in ``adapter/`` (``adapter_model.pt`` in torchtune's key
+names; ``adapter_model.safetensors`` and ``adapter_config.json`` for PEFT).
+Resuming loads the base weights from the base checkpoint and the adapter from
+the latest step folder.
 """
 
 import sys
@@ -42,12 +43,15 @@ from torchtune_ext.evaluate import Validator, build_val_loader
 from torchtune_ext.loss import build_loss
 from torchtune_ext.memory import MemoryGuard
 from torchtune_ext.metrics import StepReporter, build_metric_logger
-from torchtune_ext.models import initialize_adapters
+from torchtune_ext.models import initialize_adapters, instantiate_lora_model
+from torchtune_ext.optim_in_bwd import build_optimizer
 from torchtune_ext.preflight import check_components
 from torchtune_ext.preemption import GracefulStop
 from torchtune_ext.resume import check_resume, restore_training
 from torchtune_ext.run_lock import OutputDirLock
+from torchtune_ext.runtime import build_profiler, offload_activations, use_low_cpu_ram
 from torchtune_ext.step import StepHealth, build_lr_scheduler, train_step
+from torchtune_ext.upstream import describe_model
 
 log = utils.get_logger("INFO")
 
@@ -91,7 +95,7 @@ class LoRAFinetuneRecipeSingleDevice:
         checkpoint = self._checkpoints.load(resume_from, adapter=True)
         self._model = self._setup_model(cfg.model, checkpoint[training.MODEL_KEY], checkpoint.get(training.ADAPTER_KEY))
         # Only the adapter: the step's grad_norm and clipping cover exactly what trains.
-        self._optimizer = config.instantiate(cfg.optimizer, self._adapter_params.values())
+        self._optimizer = build_optimizer(cfg.optimizer, self._adapter_params.values(), cfg.optimizer_in_bwd)
         self._memory_guard = MemoryGuard(self._model, self._device, self._optimizer, activation_dtype=self._dtype)
         self._lr_scheduler = build_lr_scheduler(cfg.lr_scheduler, self._optimizer, total_steps)
         if resumed:
@@ -105,21 +109,23 @@ class LoRAFinetuneRecipeSingleDevice:
         self._metric_logger = build_metric_logger(cfg, rank=0, resume=bool(resumed))
         self._metric_logger.log_config(cfg)
         self._validator = Validator(cfg, self._val_data, self._model, self._loss_fn, self._metric_logger, self._device)
+        self._profiler = build_profiler(cfg.profiler)
         if resumed:  # last: building the model drew random numbers; lora_dropout draws more
             set_rng_state(resumed.rng_for(0, 1))
 
     def _setup_model(self, cfg_model: DictConfig, base_state: Dict[str, Any],
                      adapter_state: Optional[Dict[str, Any]]) -> torch.nn.Module:
-        with training.set_default_dtype(self._dtype), self._device:
-            model = config.instantiate(cfg_model)
+        use_low_cpu_ram(self.cfg.low_cpu_ram)  # before building: QLoRA builders pick their state-dict hook
+        model = instantiate_lora_model(cfg_model, self._dtype, self._device)
         initialize_adapters(model, self.progress.seed)  # the same adapter as the distributed recipe, on any device
         # Before wrapping for activation checkpointing, which renames the parameters.
         self._adapter_params = get_adapter_params(model)
         set_trainable_params(model, self._adapter_params)
         if self.cfg.enable_activation_checkpointing:
             training.set_activation_checkpointing(model, auto_wrap_policy={modules.TransformerSelfAttentionLayer})
+        offload_activations(model, self.cfg.enable_activation_offloading)
         base_missing, base_unexpected = load_model_state(model, base_state, self.cfg.checkpointer.checkpoint_dir,
-                                                         strict=False)
+                                                         strict=False, model_name=describe_model(self.cfg))
         for module in model.modules():
             if hasattr(module, "initialize_dora_magnitude"):
                 module.initialize_dora_magnitude()  # DoRA starts from the norms of the loaded base weights
@@ -131,9 +137,10 @@ class LoRAFinetuneRecipeSingleDevice:
                 raise recipe_config.ConfigError(
                     "resume_from_checkpoint", f"the saved adapter does not fit model.lora_rank: resume with the "
                     f"LoRA settings it was trained with ({err})") from None
+        settings = recipe_config.lora_settings(cfg_model)
         validate_missing_and_unexpected_for_lora(
-            lora_attn_modules=list(cfg_model.lora_attn_modules), apply_lora_to_mlp=cfg_model.apply_lora_to_mlp,
-            apply_lora_to_output=cfg_model.apply_lora_to_output, base_missing=base_missing,
+            lora_attn_modules=list(settings.lora_attn_modules), apply_lora_to_mlp=settings.apply_lora_to_mlp,
+            apply_lora_to_output=settings.apply_lora_to_output, base_missing=base_missing,
             base_unexpected=base_unexpected, lora_missing=adapter_missing, lora_unexpected=adapter_unexpected,
         )
         training.validate_expected_param_dtype(self._adapter_params.items(), dtype=self._dtype)
@@ -152,7 +159,8 @@ class LoRAFinetuneRecipeSingleDevice:
         cfg, progress = self.cfg, self.progress
         reporter = StepReporter(self._metric_logger, self._device, total_steps=progress.total_steps,
                                 initial_step=progress.step, log_every_n_steps=cfg.log_every_n_steps,
-                                model=self._model, dtype=self._dtype, peak_tflops_per_device=cfg.peak_tflops_per_device)
+                                model=self._model, dtype=self._dtype, peak_tflops_per_device=cfg.peak_tflops_per_device,
+                                log_peak_memory=cfg.log_peak_memory_stats, profiler=self._profiler)
         self._validator.at_start(progress)
         while progress.epoch < cfg.epochs:
             for step_data in self._data.epoch(progress.epoch, progress.samples_in_epoch, progress.steps_in_epoch):

@@ -49,3 +49,22 @@ def _restore_signal_handlers():
     yield
     for signum, handler in saved.items():
         signal.signal(signum, handler)
+
+
+@pytest.fixture(scope="session")
+def family_assets(tmp_path_factory):
+    """Factory: ``family_assets(name)`` -> (folder, torchtune-named weights, data file) of a tiny model of
+    that family in its HF layout with its tokenizer (tests/families.py), written once per session."""
+    from families import write_family
+    from tiny_setup import write_dataset
+
+    root = tmp_path_factory.mktemp("families")
+    write_dataset(root / "data.json", 16)
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cache[name] = (root / name, write_family(name, root / name), root / "data.json")
+        return cache[name]
+
+    return get

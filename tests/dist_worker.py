@@ -18,9 +18,13 @@ optionally ``clip`` (max grad norm), ``max_steps``, ``cpu_offload``,
 ``grouped`` (group_by_length), ``budget`` (max_tokens_per_micro_batch),
 ``packed`` (the same samples packed into 64-token rows), ``logits`` (the model
 returns logits instead of the loss applying the output projection, as the
-recipes do) and ``guard_veto_rank`` (a ``MemoryGuard`` whose available
+recipes do), ``guard_veto_rank`` (a ``MemoryGuard`` whose available
 memory is 0 on that rank only: every rank must fall back to the
-per-micro-batch backward together).
+per-micro-batch backward together), ``arch`` (a key of
+:data:`ARCHS`: the tiny Llama by default, or a Qwen2 with q/k/v biases and
+its own output projection, or a Gemma with scaled embeddings, GeGLU and one
+KV head), ``optim_in_bwd`` (one SGD per parameter, stepped in backward) and
+``sharded`` (custom_sharded_layers: modules with an FSDP unit of their own).
 
 An evaluation case (``kind: "eval"``) instead runs one validation pass
 (:func:`torchtune_ext.evaluate.evaluate`) over ``helpers.synthetic_val_dataset``
@@ -46,6 +50,7 @@ from torchtune_ext.evaluate import build_eval_loader, evaluate
 from torchtune_ext.loss import SummedCrossEntropyLoss
 from torchtune_ext.memory import MemoryGuard
 from torchtune_ext.models import lora_tiny_llama, tiny_llama
+from torchtune_ext.optim_in_bwd import OptimizerInBackward
 from torchtune_ext.step import train_step
 
 CPU = torch.device("cpu")
@@ -54,25 +59,56 @@ ARCH = dict(vocab_size=VOCAB, num_layers=2, num_heads=4, num_kv_heads=2, embed_d
             intermediate_dim=64, max_seq_len=128)
 
 
-def build(kind: str) -> torch.nn.Module:
-    if kind == "full":
-        return tiny_llama(**ARCH)
-    return lora_tiny_llama(lora_attn_modules=["q_proj", "v_proj"], apply_lora_to_mlp=True,
-                           lora_rank=4, lora_alpha=8, **ARCH)
+def _qwen2(lora: bool) -> torch.nn.Module:
+    from torchtune.models.qwen2._component_builders import lora_qwen2, qwen2
+
+    dims = dict(vocab_size=VOCAB, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=32, intermediate_dim=64,
+                max_seq_len=128, tie_word_embeddings=False)
+    if not lora:
+        return qwen2(**dims)
+    return lora_qwen2(lora_attn_modules=["q_proj", "k_proj"], apply_lora_to_mlp=True, apply_lora_to_output=True,
+                      lora_rank=4, lora_alpha=8, **dims)
 
 
-def initial_state(kind: str, embedding_std: Optional[float] = None) -> dict:
+def _gemma(lora: bool) -> torch.nn.Module:
+    from torchtune.models.gemma._component_builders import gemma, lora_gemma
+
+    dims = dict(vocab_size=VOCAB, num_layers=2, num_heads=4, head_dim=16, num_kv_heads=1, embed_dim=32,
+                intermediate_dim=64, max_seq_len=128)
+    if not lora:
+        return gemma(**dims)
+    return lora_gemma(lora_attn_modules=["q_proj", "v_proj", "output_proj"], apply_lora_to_mlp=True,
+                      lora_rank=4, lora_alpha=8, **dims)
+
+
+ARCHS = {
+    "llama": lambda lora: (lora_tiny_llama(lora_attn_modules=["q_proj", "v_proj"], apply_lora_to_mlp=True,
+                                           lora_rank=4, lora_alpha=8, **ARCH) if lora else tiny_llama(**ARCH)),
+    "qwen2": _qwen2,
+    "gemma": _gemma,
+}
+
+
+def build(kind: str, arch: str = "llama") -> torch.nn.Module:
+    return ARCHS[arch](kind == "lora")
+
+
+def initial_state(kind: str, embedding_std: Optional[float] = None, arch: str = "llama") -> dict:
     """Deterministic full weights; LoRA B is made nonzero so adapters matter from step 1.
 
     ``embedding_std``: redraw the (tied) embedding with this std. torchtune's std 1
     makes every prediction near certain (entropy ~0); 0.3 gives a few nats.
+    The Qwen2 and Gemma models get HF's 0.02 for their embedding and output
+    projection (torchtune's N(0, 1) gives logits of tens of nats).
     """
     torch.manual_seed(0)
-    state = build(kind).state_dict()
+    state = build(kind, arch).state_dict()
     g = torch.Generator().manual_seed(1)
     for key in state:
         if "lora_b" in key:
             state[key] = torch.randn(state[key].shape, generator=g) * 0.1
+        elif arch != "llama" and key in ("tok_embeddings.weight", "output.weight"):
+            state[key] = torch.randn(state[key].shape, generator=g) * 0.02
     if embedding_std is not None:
         weight = state["tok_embeddings.weight"]
         state["tok_embeddings.weight"] = torch.randn(weight.shape, generator=g) * embedding_std
@@ -80,13 +116,14 @@ def initial_state(kind: str, embedding_std: Optional[float] = None) -> dict:
 
 
 def run_case(case: dict, rank: int, world_size: int) -> dict:
+    arch = case.get("arch", "llama")
     with torch.device("meta"):
-        model = build(case["model"])
+        model = build(case["model"], arch)
     if case["model"] == "lora":
         set_trainable_params(model, get_adapter_params(model))
     offload = case.get("cpu_offload", False)
-    units = distributed.shard_model(model, CPU, cpu_offload=offload)
-    distributed.load_full_model_state_dict(model, initial_state(case["model"]), CPU, cpu_offload=offload)
+    units = distributed.shard_model(model, CPU, cpu_offload=offload, custom_sharded_layers=case.get("sharded"))
+    distributed.load_full_model_state_dict(model, initial_state(case["model"], arch=arch), CPU, cpu_offload=offload)
     loss_fn = SummedCrossEntropyLoss(num_output_chunks=1, ignore_index=IGNORE)
     if case.get("logits"):
         model.set_num_output_chunks(1)
@@ -106,7 +143,10 @@ def run_case(case: dict, rank: int, world_size: int) -> dict:
                         dp_rank=rank, dp_world_size=world_size, group_by_length=case.get("grouped", False),
                         max_tokens_per_micro_batch=case.get("budget"), max_steps_per_epoch=case.get("max_steps"))
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.SGD(params, lr=0.5)
+    if case.get("optim_in_bwd"):
+        optimizer = OptimizerInBackward(params, lambda ps: torch.optim.SGD(ps, lr=0.5))
+    else:
+        optimizer = torch.optim.SGD(params, lr=0.5)
     guard = None
     if "guard_veto_rank" in case:
         vetoes = case["guard_veto_rank"] == rank
@@ -123,11 +163,18 @@ def run_case(case: dict, rank: int, world_size: int) -> dict:
                       "local_num_tokens": r.local_num_tokens, "micro_batches": len(window), **r.metrics})
         scatters_per_step.append(reduce_scatters[0] - before)
     full = distributed.gather_full_model_state_dict(model, CPU)
+    extra = {}
+    if case.get("optim_in_bwd"):
+        # the recipes' checkpoint path: gather the sharded per-parameter states, then load them back
+        saved = [distributed.gather_full_optimizer_state_dict(model, optimizer)]
+        dist.broadcast_object_list(saved, src=0)  # on resume every rank reads the file
+        distributed.load_full_optimizer_state_dict(model, optimizer, saved[0], CPU)
+        extra["optimizer_state"] = saved[0]
     # FSDP2 has no public getter for the policy a unit was built with
     policy = type(units[-1]._get_fsdp_state()._fsdp_param_groups[0].offload_policy).__name__
     return {"steps": steps, "params": full, "reduce_scatters": scatters_per_step, "fsdp_units": len(units),
             "once_per_step_modes": modes,
-            "world_size": world_size, "offload_policy": policy}
+            "world_size": world_size, "offload_policy": policy, **extra}
 
 
 def run_eval_case(case: dict, rank: int, world_size: int) -> dict:

@@ -17,11 +17,12 @@ def cfg(tmp_path):
     data.write_text("[]")
     return OmegaConf.create({
         "output_dir": str(tmp_path / "out"),
-        "model": {"_component_": "m"},
-        "tokenizer": {"_component_": "t", "path": str(ckpt)},
-        "dataset": {"_component_": "d", "source": "json", "data_files": str(data)},
-        "checkpointer": {"_component_": "c", "checkpoint_dir": str(ckpt), "checkpoint_files": ["model.safetensors"]},
-        "optimizer": {"_component_": "o"},
+        "model": {"_component_": "torchtune_ext.models.tiny_llama"},
+        "tokenizer": {"_component_": "torchtune_ext.tokenizer.smollm2_tokenizer", "path": str(ckpt)},
+        "dataset": {"_component_": "torchtune.datasets.alpaca_dataset", "source": "json", "data_files": str(data)},
+        "checkpointer": {"_component_": "torchtune.training.FullModelHFCheckpointer", "checkpoint_dir": str(ckpt),
+                         "checkpoint_files": ["model.safetensors"]},
+        "optimizer": {"_component_": "torch.optim.AdamW"},
     })
 
 

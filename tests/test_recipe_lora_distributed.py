@@ -46,13 +46,13 @@ def test_checkpoint_and_exact_resume(smollm2_assets, tmp_path):
     for a, b in zip(got, expected[2:]):
         assert [a[f] for f in fields] == [b[f] for f in fields], a["step"]  # per-rank RNG restored: dropout too
     step = straight / "step_4"
-    adapter = torch.load(step / "adapter_model.pt", weights_only=True)
-    assert adapter.keys() == torch.load(resumed / "step_4" / "adapter_model.pt", weights_only=True).keys()
-    for key, weight in torch.load(resumed / "step_4" / "adapter_model.pt", weights_only=True).items():
+    adapter = torch.load(step / "adapter" / "adapter_model.pt", weights_only=True)
+    assert adapter.keys() == torch.load(resumed / "step_4" / "adapter" / "adapter_model.pt", weights_only=True).keys()
+    for key, weight in torch.load(resumed / "step_4" / "adapter" / "adapter_model.pt", weights_only=True).items():
         assert torch.equal(weight, adapter[key]), key
     # 2 layers x (q, v, 3 MLP projections) x (A, B), full (unsharded) shapes
     assert len(adapter) == 20 and adapter["layers.0.attn.q_proj.lora_a.weight"].shape == (4, 64)
-    assert json.loads((step / "adapter_config.json").read_text())["r"] == 4
+    assert json.loads((step / "adapter" / "adapter_config.json").read_text())["r"] == 4
     # the merged model: base weights where no adapter is, base + alpha/r * B @ A where one is
     base = load_file(tmp_path / "base" / "model.safetensors")
     merged = load_file(step / "model-00001-of-00001.safetensors")
@@ -74,7 +74,7 @@ def test_dora_on_one_rank_starts_like_single_device(smollm2_assets, tmp_path):
         run_recipe(recipe_class(recipe_file, cls), validate(cfg, extra_keys=schema))
         (row,) = read_jsonl(tmp_path / name / "logs" / "metrics.jsonl")
         losses[name] = (row["loss"], row["num_tokens"])
-        adapter = torch.load(tmp_path / name / "step_1" / "adapter_model.pt", weights_only=True)
+        adapter = torch.load(tmp_path / name / "step_1" / "adapter" / "adapter_model.pt", weights_only=True)
         assert "layers.0.attn.q_proj.magnitude" in adapter
         assert not (tmp_path / name / "step_1" / "model-00001-of-00001.safetensors").exists()
     assert losses["dist"][1] == losses["single"][1]

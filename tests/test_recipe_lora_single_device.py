@@ -78,16 +78,17 @@ def test_adapter_trains_base_stays_and_checkpoint_holds_both(smollm2_assets, tin
     assert all(KEYS <= r.keys() and math.isfinite(r["grad_norm"]) for r in rows)
 
     step = out / "step_3"
-    for name in ("adapter_model.pt", "adapter_model.safetensors", "adapter_config.json",
+    for name in ("adapter/adapter_model.pt", "adapter/adapter_model.safetensors", "adapter/adapter_config.json",
                  "model-00001-of-00001.safetensors", "config.json", "recipe_state.pt"):
         assert (step / name).is_file(), name
-    peft_config = json.loads((step / "adapter_config.json").read_text())
+    assert not (step / "adapter_config.json").exists()  # the step folder itself is the merged model
+    peft_config = json.loads((step / "adapter" / "adapter_config.json").read_text())
     assert (peft_config["r"], peft_config["lora_alpha"], peft_config["peft_type"]) == (4, 8, "LORA")
     assert set(peft_config["target_modules"]) == PEFT_TARGETS and peft_config["use_dora"] is use_dora
-    assert all(k.startswith("base_model.model.model.layers.") for k in load_file(step / "adapter_model.safetensors"))
+    assert all(k.startswith("base_model.model.model.layers.") for k in load_file(step / "adapter" / "adapter_model.safetensors"))
 
     # adapter round trip: base weights plus the saved adapter give the trained model
-    adapter = torch.load(step / "adapter_model.pt", weights_only=True)
+    adapter = torch.load(step / "adapter" / "adapter_model.pt", weights_only=True)
     assert set(adapter) == adapter_names
     fresh = lora_tiny_llama(**TINY_LORA, use_dora=use_dora)
     fresh.load_state_dict(base, strict=False)
@@ -120,9 +121,9 @@ def test_resume_needs_an_adapter(smollm2_assets, tiny_checkpoint, tmp_path):
     checkpoint_dir, _ = tiny_checkpoint
     out = tmp_path / "run"
     run_recipe(LORA, tiny_config(smollm2_assets, checkpoint_dir, out, "max_steps_per_epoch=1"))
-    (out / "step_1" / "adapter_model.pt").unlink()
+    (out / "step_1" / "adapter" / "adapter_model.pt").unlink()
     manifest = json.loads((out / "step_1" / "checkpoint.json").read_text())
-    del manifest["files"]["adapter_model.pt"]  # a complete checkpoint, but of a full fine-tune
+    del manifest["files"]["adapter/adapter_model.pt"]  # a complete checkpoint, but of a full fine-tune
     (out / "step_1" / "checkpoint.json").write_text(json.dumps(manifest))
     recipe = LORA(tiny_config(smollm2_assets, checkpoint_dir, out, "resume_from_checkpoint=true"))
     with pytest.raises(ConfigError, match="resume_from_checkpoint.*adapter_model.pt"):
@@ -144,14 +145,22 @@ def test_lora_config_errors_name_the_key(smollm2_assets, tiny_checkpoint, tmp_pa
         tiny_config(smollm2_assets, checkpoint_dir, tmp_path / "run", *overrides)
 
 
-def test_lora_settings_must_be_spelled_out(smollm2_assets, tiny_checkpoint, tmp_path):
+def test_lora_settings_left_out_take_the_builders_defaults(smollm2_assets, tiny_checkpoint, tmp_path):
+    """As in torchtune: a LoRA config may leave settings to the builder (read from its signature)."""
+    from torchtune_ext.config import lora_settings
+
     checkpoint_dir, _ = tiny_checkpoint
     cfg = OmegaConf.load(REPO_ROOT / CONFIG)
-    del cfg.model["apply_lora_to_mlp"]
+    for key in ("apply_lora_to_mlp", "apply_lora_to_output", "lora_rank", "lora_alpha"):
+        del cfg.model[key]
     cfg.checkpointer.checkpoint_dir = str(checkpoint_dir)
     cfg.output_dir = str(tmp_path / "run")
-    with pytest.raises(ConfigError, match="'model.apply_lora_to_mlp': is required"):
-        validate(cfg, extra_keys=LORA_KEYS)
+    settings = lora_settings(validate(cfg, extra_keys=LORA_KEYS).model)
+    # lora_smollm2_135m's defaults
+    assert (settings.apply_lora_to_mlp, settings.apply_lora_to_output, settings.lora_rank, settings.lora_alpha) == (
+        False, False, 8, 16)
+    gemma = {"_component_": "torchtune.models.gemma.lora_gemma_2b", "lora_attn_modules": ["q_proj"]}
+    assert lora_settings(gemma).apply_lora_to_output is False  # no such argument: the output is the tied embedding
 
 
 def test_alpaca_two_steps_end_to_end(smollm2_assets, tmp_path):
@@ -166,10 +175,10 @@ def test_alpaca_two_steps_end_to_end(smollm2_assets, tmp_path):
         assert KEYS <= r.keys()
         assert 0.3 < r["loss"] < 4.0 and math.isfinite(r["grad_norm"]) and r["num_tokens"] > 0
     ckpt = out / "step_2"
-    for name in ("adapter_model.pt", "adapter_model.safetensors", "adapter_config.json",
+    for name in ("adapter/adapter_model.pt", "adapter/adapter_model.safetensors", "adapter/adapter_config.json",
                  "model-00001-of-00001.safetensors", "config.json", "tokenizer.json", "recipe_state.pt"):
         assert (ckpt / name).is_file(), name
-    peft_config = json.loads((ckpt / "adapter_config.json").read_text())
+    peft_config = json.loads((ckpt / "adapter" / "adapter_config.json").read_text())
     assert (peft_config["r"], peft_config["lora_alpha"], set(peft_config["target_modules"])) == (8, 16, PEFT_TARGETS)
     run = read_offline_run(str(out / "logs"))
     logged = [h for h in run["history"] if "loss" in h]

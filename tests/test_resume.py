@@ -27,7 +27,7 @@ RECIPES = {
              None, [], "model-00001-of-00001.safetensors"),
     "lora": ("recipes/lora_finetune_single_device.py", "LoRAFinetuneRecipeSingleDevice",
              "configs/smollm2/135M_lora_single_device.yaml", TINY_LORA,
-             LORA_KEYS, ["save_adapter_weights_only=true"], "adapter_model.pt"),
+             LORA_KEYS, ["save_adapter_weights_only=true"], "adapter/adapter_model.pt"),
 }
 SETTINGS = ["max_steps_per_epoch=4", "save_every_n_steps=2", "gradient_accumulation_steps=2",
             "lr_scheduler.num_warmup_steps=1", "optimizer.lr=0.01"]

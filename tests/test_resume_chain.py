@@ -70,7 +70,7 @@ def test_ten_resumes_in_a_row_are_exact(setup_yaml, tmp_path, recipe):
     rows = [r["step"] for r in resume_jobs.read_jsonl(chained / "logs" / "metrics.jsonl")]
     assert rows == list(range(1, 13))  # a stop loses no step and repeats none
     assert_exact(resume_jobs.by_step(chained), resume_jobs.by_step(straight))
-    name = "adapter_model.pt" if recipe.startswith("lora") else "model-00001-of-00001.safetensors"
+    name = "adapter/adapter_model.pt" if recipe.startswith("lora") else "model-00001-of-00001.safetensors"
     final, got = weights(straight, name), weights(chained, name)
     assert final.keys() == got.keys() and all(torch.equal(got[k], final[k]) for k in final)
     for step in list_checkpoints(str(chained)):
@@ -180,7 +180,7 @@ def _tune_run_stopped_by_sigterm(setup_yaml, out, rank):
 def test_two_ranks_ten_resumes_in_a_row_are_exact(two_ranks):
     """The signal reaches one rank only (alternating): both stop after the same step; bit-exact chains."""
     root = two_ranks[0]
-    for kind, weights_file in (("full", "model-00001-of-00001.safetensors"), ("lora", "adapter_model.pt")):
+    for kind, weights_file in (("full", "model-00001-of-00001.safetensors"), ("lora", "adapter/adapter_model.pt")):
         straight, chained = root / f"{kind}_straight", root / f"{kind}_chain"
         rows = [r["step"] for r in resume_jobs.read_jsonl(chained / "logs" / "metrics.jsonl")]
         assert rows == list(range(1, 13)), kind

@@ -81,7 +81,7 @@ def test_validation_does_not_change_training(name, smollm2_assets, tmp_path):
     assert [r["step"] for r in plain] == [1, 2, 3, 4]
     for a, b in zip(train, plain):
         assert [a[k] for k in TRAIN_KEYS] == [b[k] for k in TRAIN_KEYS], a["step"]
-    weights = "adapter_model.pt" if name == "lora" else "model-00001-of-00001.safetensors"
+    weights = "adapter/adapter_model.pt" if name == "lora" else "model-00001-of-00001.safetensors"
     load = torch.load if name == "lora" else load_file
     kwargs = {"weights_only": True} if name == "lora" else {}
     final, other = load(tmp_path / "plain" / "step_4" / weights, **kwargs), load(

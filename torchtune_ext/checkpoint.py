@@ -2,8 +2,9 @@
 
 A checkpoint folder holds the model in the same format as the base checkpoint
 (written by the configured torchtune checkpointer: HF safetensors plus the
-base folder's config and tokenizer files; for LoRA the adapter, and the merged
-model unless turned off), ``recipe_state.pt`` (what :class:`ResumeState`
+base folder's config and tokenizer files; for LoRA the merged model unless
+turned off, and the adapter in ``adapter/``, see :func:`arrange_lora_folder`),
+``recipe_state.pt`` (what :class:`ResumeState`
 describes: step counters and data position, the full optimizer state, every
 rank's RNG states, the world size and the config of the run that wrote it)
 and ``checkpoint.json``, a manifest of every other file with its size.
@@ -19,7 +20,7 @@ ever resumed from.
 
 Resuming a full fine-tune loads the model from the step folder. Resuming LoRA
 loads the base weights from the base checkpoint again and the adapter from
-the step folder's ``adapter_model.pt``: the merged model there already holds
+the step folder's ``adapter/adapter_model.pt``: the merged model there already holds
 the adapter (and is absent with ``save_adapter_weights_only``).
 """
 
@@ -44,15 +45,20 @@ from torchtune import config as tt_config
 from torchtune import training
 from torchtune.utils import get_logger
 
-from torchtune_ext.config import ConfigError
+from torchtune_ext.config import ConfigError, lora_settings
 
 log = get_logger()  # torchtune's logger, which the recipes' lines go through too
 
 MANIFEST = "checkpoint.json"
 RECIPE_STATE = "recipe_state.pt"
-# The adapter in torchtune's key names, as torchtune's checkpointers write it
-# (beside it: adapter_model.safetensors in PEFT's names, adapter_config.json).
-ADAPTER_WEIGHTS = "adapter_model.pt"
+# A LoRA checkpoint keeps its adapter in a subfolder: the step folder itself
+# then loads as the merged model (transformers attaches any adapter_config.json
+# it finds beside model weights), and the subfolder as a PEFT adapter.
+ADAPTER_DIR = "adapter"
+# The adapter in torchtune's key names, read on resume (beside it in adapter/:
+# adapter_model.safetensors in PEFT's names, adapter_config.json).
+ADAPTER_WEIGHTS = f"{ADAPTER_DIR}/adapter_model.pt"
+_TORCHTUNE_ADAPTER_FILES = ("adapter_model.pt", "adapter_model.safetensors", "adapter_model.bin", "adapter_config.json")
 STAGING = ".staging"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -427,13 +433,16 @@ class CheckpointManager:
         overrides: Dict[str, Any] = {"output_dir": str(self.staging)}
         if resume_from is not None:
             manifest = verify_checkpoint(resume_from)
-            if adapter and ADAPTER_WEIGHTS not in manifest["files"]:
+            adapter_file = next((n for n in (ADAPTER_WEIGHTS, "adapter_model.pt")  # earlier layout: top level
+                                 if n in manifest["files"]), None)
+            if adapter and adapter_file is None:
                 raise ConfigError("resume_from_checkpoint", f"checkpoint '{resume_from}' holds no "
                                   f"{ADAPTER_WEIGHTS}; it was not written by a LoRA recipe")
             if not adapter:
                 overrides["checkpoint_dir"] = str(resume_from)
-                overrides["checkpoint_files"] = sorted(
-                    n for n in manifest["files"] if n.endswith(".safetensors") and not n.startswith("adapter")
+                overrides["checkpoint_files"] = sorted(  # HF safetensors, or Meta's .bin / .pth
+                    n for n in manifest["files"]
+                    if "/" not in n and n.endswith((".safetensors", ".bin", ".pth")) and not n.startswith("adapter")
                 )
         source = Path(overrides.get("checkpoint_dir", self._cfg.get("checkpoint_dir", "")))
         try:
@@ -444,10 +453,10 @@ class CheckpointManager:
         if adapter and resume_from is not None:
             try:
                 state[training.ADAPTER_KEY] = torch.load(
-                    resume_from / ADAPTER_WEIGHTS, map_location="cpu", weights_only=True
+                    resume_from / adapter_file, map_location="cpu", weights_only=True
                 )
             except Exception as err:
-                raise ConfigError("resume_from_checkpoint", f"'{resume_from / ADAPTER_WEIGHTS}' cannot be read "
+                raise ConfigError("resume_from_checkpoint", f"'{resume_from / adapter_file}' cannot be read "
                                   f"({_short(err)}).{intact_before(resume_from)}") from err
         return state
 
@@ -565,10 +574,13 @@ class CheckpointManager:
         try:
             with _quiet_torchtune_checkpointer():
                 self._checkpointer.save_checkpoint(state_dict, epoch=progress.step, adapter_only=adapter_only)
+            if (written / "adapter_model.pt").is_file():
+                arrange_lora_folder(written, self._cfg)
             torch.save(recipe_state, written / RECIPE_STATE)
             # torchtune copies the non-weight files of the folder it loaded from, so a resumed
             # run's staging folder holds the previous manifest: never list the manifest itself
             (written / MANIFEST).unlink(missing_ok=True)
+            make_readable(written)
             files = {p.relative_to(written).as_posix(): p.stat().st_size
                      for p in sorted(written.rglob("*")) if p.is_file()}
             _write_synced(written / MANIFEST, json.dumps({"step": progress.step, "files": files}, indent=1))
@@ -709,6 +721,19 @@ def _existing_parent(path: Path) -> Path:
     return path
 
 
+def make_readable(folder: Path) -> None:
+    """Give every file under ``folder`` the permissions of a newly created file (0666 less the umask).
+
+    Some writers (safetensors, temporary files) create files readable only by
+    their owner; a checkpoint is for others to load too.
+    """
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in folder.rglob("*"):
+        if path.is_file():
+            path.chmod(0o666 & ~umask)
+
+
 def _write_synced(path: Path, text: str) -> None:
     with open(path, "w") as f:
         f.write(text)
@@ -724,12 +749,17 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def load_model_state(model: torch.nn.Module, state_dict: Dict[str, Any], source: str, strict: bool = True):
+def load_model_state(model: torch.nn.Module, state_dict: Dict[str, Any], source: str, strict: bool = True,
+                     model_name: Optional[str] = None):
     """``model.load_state_dict`` with a config error, not a traceback, on a misfit.
 
     Args:
         source: where the weights came from, for the message.
         strict: as in ``load_state_dict``.
+        model_name: the configured model, e.g. from
+            :func:`torchtune_ext.upstream.describe_model`; when given, the
+            checkpoint is compared with the model first and a misfit names it
+            and the first mismatching key (missing adapter weights excepted).
 
     Returns:
         what ``load_state_dict`` returns (missing and unexpected keys).
@@ -738,6 +768,13 @@ def load_model_state(model: torch.nn.Module, state_dict: Dict[str, Any], source:
         ConfigError: (key ``checkpointer.checkpoint_dir``) if a shape or a key
             of the checkpoint does not fit the model.
     """
+    from torchtune_ext.upstream import first_mismatch
+
+    mismatch = first_mismatch(model.state_dict(), state_dict) if model_name else None
+    if mismatch:
+        raise ConfigError("checkpointer.checkpoint_dir", f"the checkpoint in '{source}' does not fit the model "
+                          f"{model_name}: {mismatch}. Check that `model` and checkpointer.model_type match the "
+                          "checkpoint's architecture.")
     try:
         return model.load_state_dict(state_dict, strict=strict)
     except RuntimeError as err:
@@ -755,8 +792,8 @@ def lora_checkpoint_state(model_state: Dict[str, Any], cfg_model: DictConfig, ad
     Args:
         model_state: the full model state dict (base and adapter), on CPU;
             may be empty (ranks other than 0 after a gather).
-        cfg_model: the ``model`` config with ``lora_rank``, ``lora_alpha``,
-            ``lora_attn_modules``, ``apply_lora_to_mlp``, ``apply_lora_to_output``.
+        cfg_model: the LoRA ``model`` config (settings it leaves out take the
+            builder's defaults, :func:`torchtune_ext.config.lora_settings`).
         adapter_only: skip the merged model.
 
     Returns:
@@ -767,20 +804,107 @@ def lora_checkpoint_state(model_state: Dict[str, Any], cfg_model: DictConfig, ad
     """
     from torchtune.modules.peft import get_adapter_state_dict, get_lora_module_names, get_merged_lora_ckpt
 
+    settings = lora_settings(cfg_model)
     state: Dict[str, Any] = {
         training.ADAPTER_KEY: get_adapter_state_dict(model_state),
         training.ADAPTER_CONFIG: {
-            "r": cfg_model.lora_rank,
-            "lora_alpha": cfg_model.lora_alpha,
+            "r": settings.lora_rank,
+            "lora_alpha": settings.lora_alpha,
             "target_modules": get_lora_module_names(
-                list(cfg_model.lora_attn_modules), cfg_model.apply_lora_to_mlp, cfg_model.apply_lora_to_output
+                list(settings.lora_attn_modules), settings.apply_lora_to_mlp, settings.apply_lora_to_output
             ),
             "peft_type": "LORA",
-            "use_dora": bool(cfg_model.get("use_dora", False)),
+            "use_dora": settings.use_dora,
         },
     }
     if not adapter_only:
         # The merge adds into the tensors it is given; on CPU those can be the model's own weights.
         merged = {k: v.detach().to("cpu", copy=True) for k, v in model_state.items()}
-        state[training.MODEL_KEY] = get_merged_lora_ckpt(merged, rank=cfg_model.lora_rank, alpha=cfg_model.lora_alpha)
+        state[training.MODEL_KEY] = get_merged_lora_ckpt(merged, rank=settings.lora_rank, alpha=settings.lora_alpha)
     return state
+
+
+def _permute_rows(t: torch.Tensor, n_heads: int, head_dim: int, inverse: bool = False) -> torch.Tensor:
+    """torchtune's interleaved-RoPE row order of a q/k projection <-> HF's half-split order
+    (the permutation ``convert_weights.tune_to_hf`` applies to q/k weights), on rows of ``t``."""
+    rest = t.shape[1:]
+    if inverse:
+        return t.reshape(n_heads, 2, head_dim // 2, *rest).transpose(1, 2).reshape(n_heads * head_dim, *rest)
+    return t.reshape(n_heads, head_dim // 2, 2, *rest).transpose(1, 2).reshape(n_heads * head_dim, *rest)
+
+
+def peft_adapter_weights(adapter: Dict[str, torch.Tensor], model_type: str, hf_config: Dict[str, Any]):
+    """A torchtune adapter state dict in PEFT's names and the base model's HF layout.
+
+    Key names come from torchtune's ``tune_to_peft_adapter_weights``. Rows of
+    q/k adapters follow what the family's HF converter does to the q/k
+    weights: permuted from torchtune's interleaved RoPE order for Llama-like
+    families (lora_B and, for DoRA, the magnitude), left as they are for
+    QWEN2, whose converter does not permute (torchtune 0.6.1 permutes Qwen's
+    lora_B anyway, so its PEFT adapters would not match the merged model).
+
+    Args:
+        adapter: ``lora_a`` / ``lora_b`` / ``magnitude`` tensors in torchtune names.
+        model_type: ``checkpointer.model_type``.
+        hf_config: the base model's ``config.json``.
+
+    Returns:
+        dict in PEFT names (``base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight``, ...).
+    """
+    from torchtune.models.convert_weights import tune_to_peft_adapter_weights
+
+    heads, kv_heads = hf_config["num_attention_heads"], hf_config["num_key_value_heads"]
+    dim = hf_config["hidden_size"]
+    head_dim = hf_config.get("head_dim") or dim // heads
+    out = tune_to_peft_adapter_weights(dict(adapter), num_heads=heads, num_kv_heads=kv_heads, dim=dim,
+                                       head_dim=head_dim)
+    for key, value in out.items():
+        n_heads = heads if ".q_proj." in key else kv_heads if ".k_proj." in key else None
+        if n_heads is None:
+            continue
+        if model_type == "QWEN2" and "lora_B" in key:  # undo torchtune's permutation
+            out[key] = _permute_rows(value, n_heads, head_dim, inverse=True)
+        elif model_type != "QWEN2" and "lora_magnitude_vector" in key:  # rows of W, as lora_B's
+            out[key] = _permute_rows(value, n_heads, head_dim)
+    return out
+
+
+def arrange_lora_folder(folder: Path, cfg_checkpointer: DictConfig) -> None:
+    """Lay out a LoRA checkpoint written by torchtune's checkpointer so that each part loads as what it is.
+
+    torchtune writes the adapter beside the merged model; transformers'
+    ``AutoModelForCausalLM.from_pretrained(folder)`` would then attach it to the
+    merged weights (the adapter counted twice). Here the adapter moves to
+    ``folder/adapter/``: ``adapter_model.pt`` (torchtune names, read on resume)
+    and, for HF checkpoints of families PEFT can address (not Phi-3/4, whose
+    HF q/k/v and gate/up projections are fused), ``adapter_model.safetensors``
+    (:func:`peft_adapter_weights`) and ``adapter_config.json`` with
+    ``base_model_name_or_path`` (the base checkpoint folder) and ``task_type``,
+    so ``PeftModel.from_pretrained(base, folder / "adapter")`` and
+    ``AutoPeftModelForCausalLM.from_pretrained(folder / "adapter")`` work.
+
+    Args:
+        folder: the step folder as the torchtune checkpointer wrote it.
+        cfg_checkpointer: the ``checkpointer`` config (base folder, model_type).
+    """
+    from safetensors.torch import save_file
+
+    target = folder / ADAPTER_DIR
+    target.mkdir(exist_ok=True)
+    adapter = torch.load(folder / "adapter_model.pt", map_location="cpu", weights_only=True)
+    os.replace(folder / "adapter_model.pt", target / "adapter_model.pt")
+    peft_config = None
+    if (folder / "adapter_config.json").is_file():
+        peft_config = json.loads((folder / "adapter_config.json").read_text())
+    for name in _TORCHTUNE_ADAPTER_FILES:
+        (folder / name).unlink(missing_ok=True)
+    base_dir = Path(str(cfg_checkpointer.checkpoint_dir)).resolve()
+    model_type = str(cfg_checkpointer.get("model_type", "")).upper()
+    hf_config_file = base_dir / "config.json"
+    if peft_config is None or not hf_config_file.is_file() or model_type in ("PHI3_MINI", "PHI4"):
+        return  # no PEFT form: Meta checkpoints, Phi's fused projections
+    weights = peft_adapter_weights(adapter, model_type, json.loads(hf_config_file.read_text()))
+    save_file({k: v.contiguous() for k, v in weights.items()}, target / "adapter_model.safetensors",
+              metadata={"format": "pt"})
+    peft_config.update(base_model_name_or_path=str(base_dir), task_type="CAUSAL_LM")
+    (target / "adapter_config.json").write_text(json.dumps(peft_config, indent=2))

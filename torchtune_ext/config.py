@@ -11,6 +11,8 @@ before anything is written.
 
 import contextlib
 import difflib
+import functools
+import inspect
 import logging
 import os
 import shutil
@@ -149,13 +151,97 @@ def _val_every_n_steps(key: str, value: Any) -> None:
 def _optional_dataset(key: str, value: Any) -> None:
     if value is not None:
         _dataset(key, value)
+def _refused_if_true(why: str) -> Callable[[str, Any], None]:
+    def check(key: str, value: Any) -> None:
+        _boolean(key, value)
+        if value:
+            raise ConfigError(key, f"is not supported by this recipe: {why}; set {key}=false")
+
+    return check
+
+
+def _optional_names(key: str, value: Any) -> None:
+    if value is not None and (not isinstance(value, list) or not all(isinstance(v, str) and v for v in value)):
+        raise ConfigError(key, f"expected a list of module names (e.g. [tok_embeddings, output]) or null, got {value!r}")
+
+
+def _tensor_parallel_dim(key: str, value: Any) -> None:
+    _positive_int(key, value)
+    if value > 1:
+        raise ConfigError(key, "tensor parallelism is not supported: these recipes shard with FSDP2 over data-parallel "
+                          "ranks only; set tensor_parallel_dim=1 (fsdp_cpu_offload or more ranks save memory instead)")
+
+
+def _fsdp_section(key: str, value: Any) -> None:
+    if value is None:
+        return
+    if not isinstance(value, dict) or set(value) - {"cpu_offload"}:
+        raise ConfigError(key, f"expected null or {{cpu_offload: <bool>}}, got {value!r}; "
+                          "use fsdp_cpu_offload and fsdp_reshard_after_forward")
+    _boolean(f"{key}.cpu_offload", value.get("cpu_offload", False))
+
+
+PROFILER_COMPONENT = "torchtune.training.setup_torch_profiler"
+
+
+def _profiler(key: str, value: Any) -> None:
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise ConfigError(key, f"expected a mapping (torchtune's profiler section) or null, got {value!r}")
+    component = value.get("_component_", PROFILER_COMPONENT)
+    if component not in (PROFILER_COMPONENT, None):
+        raise ConfigError(f"{key}._component_", f"only {PROFILER_COMPONENT} is supported, got {component!r}")
+    _boolean(f"{key}.enabled", value.get("enabled", False))
+
+
+# Multimodal model families: their forward takes images (encoder_input) and
+# their data a tiled-image collator; these recipes train text decoders only.
+MULTIMODAL_FAMILIES = ("torchtune.models.llama3_2_vision", "torchtune.models.llama4")
+
+
+def _text_model(key: str, value: Any) -> None:
+    _component(key, value)
+    component = value["_component_"]
+    if component.startswith(MULTIMODAL_FAMILIES):
+        raise ConfigError(f"{key}._component_", f"{component} is a multimodal (image and text) model, which these "
+                          "recipes do not train; use a text-only model (e.g. torchtune.models.llama3_1.llama3_1_8b) "
+                          "or torchtune's own recipe for it")
+
+
+def import_component(key: str, component: str) -> Any:
+    """The object a ``_component_`` path names, or a :class:`ConfigError` naming the missing package.
+
+    Raises:
+        ConfigError: (key ``key``) if the module or the attribute does not
+            exist; a missing package is named with what installs it.
+    """
+    from torchtune_ext.preflight import resolve_component
+
+    try:
+        return resolve_component(component)
+    except ModuleNotFoundError as err:  # an existing module needs a package that is not installed
+        package = (err.name or "").split(".")[0]
+    except ValueError as err:
+        package = component.split(".")[0]
+        if f"there is no module '{package}'" not in str(err):
+            raise ConfigError(key, f"'{component}' cannot be imported: {err}") from None
+    hint = _INSTALL_HINTS.get(package, f"`pip install {package}`")
+    raise ConfigError(key, f"{component} needs the Python package '{package}', which is not installed: {hint}")
+
+
+_INSTALL_HINTS = {
+    "bitsandbytes": "`pip install bitsandbytes` (its paged optimizers need a CUDA GPU), "
+                    "or use optimizer._component_=torch.optim.AdamW",
+    "torchvision": "`pip install torchvision` with the version that matches torch",
+}
 
 
 # Keys every recipe understands, with their defaults. Recipe-specific keys are
 # passed to ``validate`` as ``extra_keys``.
 COMMON_KEYS: Dict[str, Key] = {
     "output_dir": Key(_NO_DEFAULT, _string, required=True),
-    "model": Key(_NO_DEFAULT, _component, required=True),
+    "model": Key(_NO_DEFAULT, _text_model, required=True),
     "tokenizer": Key(_NO_DEFAULT, _component, required=True),
     "dataset": Key(_NO_DEFAULT, _dataset, required=True),
     # Samples with no trainable token (an answer cut away at tokenizer.max_seq_len)
@@ -195,6 +281,8 @@ COMMON_KEYS: Dict[str, Key] = {
     "device": Key("auto", _one_of("auto", "cpu", "cuda")),
     "compile": Key(False, _boolean),
     "enable_activation_checkpointing": Key(False, _boolean),
+    # torchtune's activation offloading (CUDA only, with activation checkpointing, as upstream).
+    "enable_activation_offloading": Key(False, _boolean),
     "resume_from_checkpoint": Key(False, _boolean),
     "save_every_n_steps": Key(None, _optional_positive_int),
     # false: skip the checkpoint at the end of the last epoch (runs whose
@@ -208,11 +296,21 @@ COMMON_KEYS: Dict[str, Key] = {
     # A step whose loss is this many nats per token above the highest loss of the
     # last 32 healthy steps is a spike; two in a row stop the run (torchtune_ext.health).
     "loss_spike_nats": Key(3.0, _optional_positive_float),
+    # One optimizer per parameter, stepped in its gradient hook (torchtune_ext.optim_in_bwd).
     "optimizer_in_bwd": Key(False, _boolean),
     "log_every_n_steps": Key(1, _positive_int),
     # Dense peak TFLOP/s of one device for the mfu metric; null: a table of
     # common GPUs, or a matmul timed at start-up on CPU (torchtune_ext.flops).
     "peak_tflops_per_device": Key(None, _optional_positive_float),
+    # false: leave peak_memory_gib out of the step records (upstream's default is false).
+    "log_peak_memory_stats": Key(True, _boolean),
+    # torchtune.training.setup_torch_profiler; off unless `enabled: true`.
+    "profiler": Key(None, _profiler),
+    # How unpacked samples become a micro-batch: torchtune's padded_collate_sft or one
+    # with the same arguments (batch, padding_idx, ignore_idx) and output keys.
+    "collate_fn": Key("torchtune.data.padded_collate_sft", _string),
+    # Only the LoRA single-device recipe uses it (torchtune's low-RAM QLoRA state-dict hook).
+    "low_cpu_ram": Key(False, _refused_if_true("only the single-device LoRA recipe uses it (QLoRA state dicts)")),
     "log_level": Key("INFO", _one_of("DEBUG", "INFO", "WARNING", "ERROR")),
 }
 
@@ -222,46 +320,105 @@ DISTRIBUTED_KEYS: Dict[str, Key] = {
     # FSDP2 CPUOffloadPolicy: sharded parameters, gradients and optimizer
     # state live in CPU memory; the optimizer step runs on CPU.
     "fsdp_cpu_offload": Key(False, _boolean),
+    # FSDP2 reshard_after_forward: false keeps gathered parameters until backward
+    # (more memory, less communication).
+    "fsdp_reshard_after_forward": Key(True, _boolean),
+    # Modules (by name, e.g. [tok_embeddings, output]) that get an FSDP unit of their
+    # own besides every transformer block, as in torchtune.
+    "custom_sharded_layers": Key(None, _optional_names),
+    # Data parallelism only: tensor parallelism would split the sequence's logits over ranks.
+    "tensor_parallel_dim": Key(1, _tensor_parallel_dim),
+    "tensor_parallel_plan": Key(None, _optional_component),
+    # Some torchtune configs carry `fsdp: {cpu_offload: ...}`, which upstream never reads.
+    "fsdp": Key(None, _fsdp_section),
+    "low_cpu_ram": Key(False, _refused_if_true("the distributed recipes gather state dicts shard by shard "
+                                               "already; it applies to the single-device LoRA recipe")),
 }
 
 
 # LoRA recipes: the adapter settings live under ``model`` (torchtune's
-# vocabulary, passed to the LoRA builder as they are). The recipe reads the
-# ones it needs to merge the adapter and describe it in the PEFT adapter
-# config, so those must be spelled out in the config, not left to the builder.
+# vocabulary, passed to the LoRA builder as they are). Settings the config
+# leaves out take the builder's own defaults (read from its signature), so a
+# torchtune LoRA config means here what it means upstream.
 LORA_ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "output_proj")
 
 
-def _lora_model(key: str, value: Any) -> None:
-    _component(key, value)
-    for name in ("apply_lora_to_mlp", "apply_lora_to_output"):
-        if name not in value:
-            raise ConfigError(f"{key}.{name}", "is required by the LoRA recipe (true or false)")
-        _boolean(f"{key}.{name}", value[name])
-    modules = value.get("lora_attn_modules")
+@dataclass(frozen=True)
+class LoRASettings:
+    """The adapter settings of a LoRA ``model`` config, the builder's defaults filled in.
+
+    ``apply_lora_to_output`` is False for builders without that argument
+    (their output projection is the tied token embedding).
+    """
+
+    lora_attn_modules: Tuple[str, ...]
+    apply_lora_to_mlp: bool
+    apply_lora_to_output: bool
+    lora_rank: int
+    lora_alpha: float
+    lora_dropout: float
+    use_dora: bool
+    quantize_base: bool
+
+
+def lora_settings(cfg_model: Any, key: str = "model") -> LoRASettings:
+    """Resolve and check the LoRA settings of a ``model`` config.
+
+    Args:
+        cfg_model: the ``model`` node (``_component_`` naming a torchtune LoRA
+            builder, plus its arguments).
+        key: the config key of ``cfg_model``, for messages.
+
+    Returns:
+        LoRASettings: explicit values, else the builder's defaults.
+
+    Raises:
+        ConfigError: naming ``model.<argument>`` for a missing, mistyped or
+            out-of-range setting, or one the builder does not take.
+    """
+    value = OmegaConf.to_container(cfg_model) if OmegaConf.is_config(cfg_model) else dict(cfg_model)
+    _text_model(key, value)
+    builder = import_component(f"{key}._component_", value["_component_"])
+    try:
+        params = inspect.signature(builder).parameters
+    except (TypeError, ValueError):  # no introspectable signature: only what the config says
+        params = {}
+    merged = {name: p.default for name, p in params.items() if p.default is not inspect.Parameter.empty}
+    merged.update({k: v for k, v in value.items() if k != "_component_"})
+    for name in ("apply_lora_to_mlp", "apply_lora_to_output", "use_dora", "quantize_base"):
+        merged.setdefault(name, False)
+        _boolean(f"{key}.{name}", merged[name])
+    modules = merged.get("lora_attn_modules")
     if (not isinstance(modules, list) or len(set(modules)) != len(modules)
             or any(m not in LORA_ATTN_MODULES for m in modules)):
         raise ConfigError(f"{key}.lora_attn_modules",
                           f"expected a list of distinct names from {', '.join(LORA_ATTN_MODULES)}, got {modules!r}")
-    if not (modules or value["apply_lora_to_mlp"] or value["apply_lora_to_output"]):
+    if not (modules or merged["apply_lora_to_mlp"] or merged["apply_lora_to_output"]):
         raise ConfigError(f"{key}.lora_attn_modules", "no module would get an adapter: name at least one "
                           "attention projection or set apply_lora_to_mlp=true")
-    _positive_int(f"{key}.lora_rank", value.get("lora_rank"))
-    alpha = value.get("lora_alpha")
+    _positive_int(f"{key}.lora_rank", merged.get("lora_rank"))
+    alpha = merged.get("lora_alpha")
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0:
         raise ConfigError(f"{key}.lora_alpha", f"expected a positive number (adapters are scaled by "
                           f"lora_alpha / lora_rank), got {alpha!r}")
-    dropout = value.get("lora_dropout", 0.0)
+    dropout = merged.get("lora_dropout", 0.0)
     if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
         raise ConfigError(f"{key}.lora_dropout", f"expected a probability in [0, 1), got {dropout!r}")
-    if "use_dora" in value:
-        _boolean(f"{key}.use_dora", value["use_dora"])
+    return LoRASettings(tuple(modules), merged["apply_lora_to_mlp"], merged["apply_lora_to_output"],
+                        merged["lora_rank"], alpha, dropout, merged["use_dora"], merged["quantize_base"])
+
+
+def _lora_model(key: str, value: Any) -> None:
+    lora_settings(value, key)
 
 
 LORA_KEYS: Dict[str, Key] = {
     "model": Key(_NO_DEFAULT, _lora_model, required=True),
     # Checkpoints hold the adapter; false also writes the merged full model.
     "save_adapter_weights_only": Key(False, _boolean),
+    # QLoRA: torchtune's state-dict hook that dequantizes NF4 weights through a
+    # memory-mapped file instead of RAM (Linux).
+    "low_cpu_ram": Key(False, _boolean),
 }
 
 
@@ -288,11 +445,19 @@ def _paths(value: Any) -> Tuple[str, ...]:
     return (str(value),)
 
 
-def _missing_input(key: str, path: str) -> ConfigError:
+def _missing_input(key: str, path: str, model_files: bool = False) -> ConfigError:
+    """The error for a missing input path; for model files, the command that downloads them."""
     hint = ""
     norm = os.path.normpath(path)
     if norm == "assets" or norm.startswith("assets" + os.sep):
         hint = f" The bundled model and data are created by `{DOWNLOAD_COMMAND}` (run it from the repository root)."
+    elif model_files:
+        from torchtune_ext.upstream import download_command
+
+        command = download_command(path)
+        hint = (f" Download the model first: `{command}`" if command else
+                " Download the model into it first, e.g. `tune download <org>/<model> --output-dir <folder>`, "
+                "or point checkpointer.checkpoint_dir at your copy")
     return ConfigError(key, f"'{path}' does not exist.{hint}")
 
 
@@ -301,6 +466,21 @@ def validation_enabled(cfg: DictConfig) -> bool:
     ``run_val_at_start`` asks for it (torchtune's convention: a ``dataset_val``
     alone, as in torchtune's shipped configs, does not turn validation on)."""
     return bool(cfg.get("run_val_every_n_steps") or cfg.get("run_val_at_start"))
+
+
+def _checkpoint_files(files: Any) -> Tuple[str, ...]:
+    """File names of ``checkpointer.checkpoint_files``: a list, or torchtune's
+    ``{filename_format: model-{}-of-{}.safetensors, max_filename: "00004"}``."""
+    if isinstance(files, (list, ListConfig)):
+        return tuple(str(name) for name in files)
+    if isinstance(files, (dict, DictConfig)):
+        from torchtune.training.checkpointing._utils import FormattedCheckpointFiles
+
+        try:
+            return tuple(FormattedCheckpointFiles.from_dict(dict(files)).build_checkpoint_filenames())
+        except ValueError as err:
+            raise ConfigError("checkpointer.checkpoint_files", str(err)) from None
+    return ()
 
 
 def check_input_files(cfg: DictConfig, dataset_keys: Optional[Tuple[str, ...]] = None) -> None:
@@ -317,15 +497,14 @@ def check_input_files(cfg: DictConfig, dataset_keys: Optional[Tuple[str, ...]] =
     ckpt_dir = ckpt.get("checkpoint_dir")
     if ckpt_dir is not None:
         if not os.path.isdir(ckpt_dir):
-            raise _missing_input("checkpointer.checkpoint_dir", str(ckpt_dir))
-        files = ckpt.get("checkpoint_files")
-        if isinstance(files, (list, ListConfig)):
-            for name in files:
-                if not os.path.isfile(os.path.join(ckpt_dir, str(name))):
-                    raise _missing_input("checkpointer.checkpoint_files", os.path.join(ckpt_dir, str(name)))
-    for key in ("path", "tokenizer_json_path"):
+            raise _missing_input("checkpointer.checkpoint_dir", str(ckpt_dir), model_files=True)
+        for name in _checkpoint_files(ckpt.get("checkpoint_files")):
+            if not os.path.isfile(os.path.join(ckpt_dir, name)):
+                raise _missing_input("checkpointer.checkpoint_files", os.path.join(ckpt_dir, name), model_files=True)
+    # tokenizer files: llama3/gemma/mistral/phi `path`, qwen `merges_file`, phi4 `vocab_path`/`merges_path`
+    for key in ("path", "tokenizer_json_path", "merges_file", "vocab_path", "merges_path", "special_tokens_path"):
         if cfg.tokenizer.get(key) is not None and not os.path.exists(cfg.tokenizer[key]):
-            raise _missing_input(f"tokenizer.{key}", str(cfg.tokenizer[key]))
+            raise _missing_input(f"tokenizer.{key}", str(cfg.tokenizer[key]), model_files=True)
     if dataset_keys is None:
         dataset_keys = ("dataset", "dataset_val") if validation_enabled(cfg) else ("dataset",)
     for key in dataset_keys:
@@ -369,19 +548,54 @@ def _check_validation(cfg: DictConfig, training: bool) -> None:
                  "(set run_val_every_n_steps=N to validate every N optimizer steps and at the end)")
 
 
+def _on_cuda(cfg: DictConfig) -> bool:
+    import torch
+
+    return cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+
+
 def _check_combinations(cfg: DictConfig, training: bool = True) -> None:
     if training and cfg.optimizer_in_bwd:
         if cfg.gradient_accumulation_steps > 1 or cfg.clip_grad_norm is not None:
             raise ConfigError(
                 "optimizer_in_bwd",
-                "cannot be combined with gradient_accumulation_steps > 1 or clip_grad_norm: it updates each "
-                "parameter during backward, before the step's other gradients (and their norm) exist",
+                f"cannot be combined with gradient_accumulation_steps={cfg.gradient_accumulation_steps} or "
+                f"clip_grad_norm={cfg.clip_grad_norm}: it updates each parameter as soon as its gradient exists, "
+                "before the other micro-batches' gradients (and the step's gradient norm) do; set "
+                "gradient_accumulation_steps=1 and clip_grad_norm=null, or optimizer_in_bwd=false",
             )
-        raise ConfigError(
-            "optimizer_in_bwd",
-            "is not supported by these recipes: the step's gradient norm and non-finite check must run "
-            "before any parameter is updated. For lower memory use backward_once_per_step=false.",
-        )
+        if cfg.skip_nonfinite_steps:
+            raise ConfigError("optimizer_in_bwd", "cannot be combined with skip_nonfinite_steps=true: a step whose "
+                              "parameters were updated during backward cannot be skipped afterwards")
+    if cfg.enable_activation_offloading:
+        if not _on_cuda(cfg):
+            raise ConfigError("enable_activation_offloading", "needs a CUDA device (it moves activations to CPU "
+                              "memory and back on CUDA streams); set enable_activation_offloading=false")
+        if not cfg.enable_activation_checkpointing:
+            raise ConfigError("enable_activation_offloading", "needs enable_activation_checkpointing=true (it "
+                              "offloads the checkpointed layer inputs), as in torchtune")
+    for name in ("recipe_checkpoint", "adapter_checkpoint"):
+        if cfg.checkpointer.get(name) is not None:
+            raise ConfigError(f"checkpointer.{name}", "is not used: resume_from_checkpoint=true continues from the "
+                              "newest complete step_<N> folder in output_dir (its recipe_state.pt and adapter); "
+                              f"set checkpointer.{name}=null")
+    fsdp = cfg.get("fsdp")
+    if fsdp is not None and bool(fsdp.get("cpu_offload", False)) != bool(cfg.get("fsdp_cpu_offload", False)):
+        # torchtune's recipes never read fsdp.cpu_offload either; say which one applies
+        log.warning("Config key 'fsdp.cpu_offload' is not read (as in torchtune): fsdp_cpu_offload=%s applies.",
+                    str(bool(cfg.get("fsdp_cpu_offload", False))).lower())
+    if cfg.collate_fn == "torchtune.data.padded_collate_tiled_images_and_mask":
+        raise ConfigError("collate_fn", "tiles images for multimodal models, which these recipes do not train; "
+                          "remove it (the default is torchtune.data.padded_collate_sft)")
+    import_component("collate_fn", cfg.collate_fn)
+    from torchtune_ext.upstream import check_model_type
+
+    mismatch = check_model_type(cfg.model._component_, cfg.checkpointer.get("model_type"))
+    if mismatch:
+        raise ConfigError("checkpointer.model_type", mismatch)
+    for key in ("tokenizer", "optimizer", "lr_scheduler", "metric_logger", "checkpointer"):
+        if enabled(cfg.get(key)) is not None:
+            import_component(f"{key}._component_", cfg[key]._component_)
     check_output_chunks("loss.num_output_chunks", cfg.loss.get("num_output_chunks", "auto"))
     max_seq_len = cfg.tokenizer.get("max_seq_len")
     if max_seq_len is not None and (isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 2):
@@ -390,11 +604,10 @@ def _check_combinations(cfg: DictConfig, training: bool = True) -> None:
     if budget is not None and max_seq_len is not None and budget < max_seq_len:
         raise ConfigError("max_tokens_per_micro_batch", f"{budget} is smaller than tokenizer.max_seq_len={max_seq_len}: "
                           "a sample of that length would not fit; raise the budget or lower tokenizer.max_seq_len")
-    if cfg.dtype == "bf16":
+    if cfg.dtype == "bf16" and _on_cuda(cfg):
         import torch
 
-        on_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-        if on_cuda and not torch.cuda.is_bf16_supported():
+        if not torch.cuda.is_bf16_supported():
             raise ConfigError("dtype", "bf16 is not supported by this CUDA device; use dtype=fp32")
     if not training:
         return
@@ -472,13 +685,13 @@ def validate(cfg: DictConfig, extra_keys: Optional[Dict[str, Key]] = None,
 
     if training:  # evaluating a checkpoint may read a folder a run is writing
         _check_not_in_use(cfg.output_dir)
-    _check_validation(cfg, training)
-    _check_combinations(cfg, training)
     if cfg.device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
             raise ConfigError("device", "cuda requested but no CUDA device is available; use device=cpu")
+    _check_validation(cfg, training)
+    _check_combinations(cfg, training)
     if training:
         check_output_dir(cfg.output_dir)
         check_input_files(cfg)

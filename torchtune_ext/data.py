@@ -35,6 +35,7 @@ import torch
 from omegaconf import ListConfig
 from torch.utils.data import ConcatDataset, Dataset
 from torchtune import config as tt_config
+from torchtune.config._utils import _get_component_from_path
 from torchtune.data import padded_collate_packed, padded_collate_sft
 
 from torchtune_ext.config import ConfigError
@@ -121,11 +122,14 @@ def build_dataset(cfg_dataset: Any, tokenizer: Any, key: str = "dataset", *,
     return dataset, packed.pop()
 
 
-def make_collate(packed: bool, pad_id: int, ignore_index: int) -> Callable[[List[Sample]], Dict[str, Any]]:
-    """The collator for a dataset: :func:`collate_packed`, or torchtune's right-padding SFT collator."""
+def make_collate(packed: bool, pad_id: int, ignore_index: int,
+                 collate_fn: Optional[Callable[..., Dict[str, Any]]] = None) -> Callable[[List[Sample]], Dict[str, Any]]:
+    """The collator for a dataset: :func:`collate_packed`, or for unpacked data
+    ``collate_fn`` (torchtune's right-padding ``padded_collate_sft`` by default,
+    the ``collate_fn`` key), called with ``padding_idx`` and ``ignore_idx``."""
     if packed:
         return collate_packed
-    return partial(padded_collate_sft, padding_idx=pad_id, ignore_idx=ignore_index)
+    return partial(collate_fn or padded_collate_sft, padding_idx=pad_id, ignore_idx=ignore_index)
 
 
 def epoch_order(size: int, epoch: int, seed: int, shuffle: bool) -> List[int]:
@@ -401,7 +405,7 @@ def build_step_loader(cfg: Any, tokenizer: Any, *, seed: int, ignore_index: int,
                       dp_rank: int = 0, dp_world_size: int = 1) -> StepLoader:
     """The training :class:`StepLoader` of a validated recipe config.
 
-    Reads ``dataset``, ``data_errors``, ``batch_size``, ``gradient_accumulation_steps``,
+    Reads ``dataset``, ``data_errors``, ``collate_fn``, ``batch_size``, ``gradient_accumulation_steps``,
     ``shuffle``, ``group_by_length``, ``max_tokens_per_micro_batch`` and
     ``max_steps_per_epoch``.
 
@@ -410,7 +414,9 @@ def build_step_loader(cfg: Any, tokenizer: Any, *, seed: int, ignore_index: int,
     """
     dataset, packed = build_dataset(cfg.dataset, tokenizer, ignore_index=ignore_index, data_errors=cfg.data_errors)
     return StepLoader(
-        dataset, make_collate(packed, tokenizer.pad_id, ignore_index), batch_size=cfg.batch_size,
+        dataset, make_collate(packed, tokenizer.pad_id, ignore_index,
+                              _get_component_from_path(cfg.get("collate_fn") or "torchtune.data.padded_collate_sft")),
+        batch_size=cfg.batch_size,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps, seed=seed, shuffle=cfg.shuffle,
         ignore_index=ignore_index, dp_rank=dp_rank, dp_world_size=dp_world_size,
         group_by_length=cfg.group_by_length, max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch,

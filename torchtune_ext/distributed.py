@@ -30,6 +30,7 @@ from torchtune import training
 
 from torchtune_ext.checkpoint import rng_state
 from torchtune_ext.config import ConfigError
+from torchtune_ext.upstream import first_mismatch
 
 
 def init_process_group(device: torch.device, cpu_offload: bool = False) -> Tuple[int, int]:
@@ -64,7 +65,8 @@ def _is_layer(name: str) -> bool:
 
 
 def shard_model(
-    model: nn.Module, device: torch.device, *, cpu_offload: bool = False, reshard_after_forward: bool = True
+    model: nn.Module, device: torch.device, *, cpu_offload: bool = False, reshard_after_forward: bool = True,
+    custom_sharded_layers: Optional[List[str]] = None,
 ) -> List[FSDPModule]:
     """Shard ``model`` in place with FSDP2, summing (not averaging) gradients.
 
@@ -85,21 +87,42 @@ def shard_model(
         reshard_after_forward: free each block's gathered parameters after
             its forward and gather again in backward (less memory, more
             traffic). The root unit never reshards after forward (see below).
+        custom_sharded_layers: names of further modules (as in
+            ``model.named_modules()``, e.g. ``["tok_embeddings", "output"]``)
+            that become FSDP units of their own, as torchtune's key of that
+            name: their parameters are gathered only while they run (an
+            output projection of its own is gathered again each time the loss
+            applies it). A tied output projection has no parameters of its
+            own and is skipped.
 
     Returns:
         The FSDP units, root last.
 
     Raises:
         ValueError: if the model has no ``layers.<i>`` submodule.
+        ConfigError: (key ``custom_sharded_layers``) a name that is not a module of the model.
     """
     mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
     kwargs: Dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if cpu_offload:
         # Pinned host memory speeds host<->GPU copies; there is no GPU to pin for on CPU.
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
-    blocks = [m for n, m in model.named_modules() if _is_layer(n)]
-    if not blocks:
+    modules = dict(model.named_modules())
+    if not any(_is_layer(n) for n in modules):
         raise ValueError("shard_model: no 'layers.<i>' submodule found; is this a torchtune TransformerDecoder?")
+    custom = list(custom_sharded_layers or [])
+    unknown = [n for n in custom if n not in modules and n != "output"]  # a tied output is no module
+    if unknown:
+        raise ConfigError("custom_sharded_layers", f"the model has no module {unknown[0]!r} (names as in "
+                          "model.named_modules(), e.g. tok_embeddings, output)")
+    from torchtune.modules import TiedLinear
+
+    if "tok_embeddings" in custom and isinstance(getattr(model, "output", None), TiedLinear):
+        raise ConfigError("custom_sharded_layers", "tok_embeddings is tied to the output projection in this model "
+                          "and must stay in the root FSDP unit; remove it from the list")
+    # children before their parents, as fully_shard needs (named_modules lists parents first)
+    blocks = [m for n, m in reversed(list(modules.items()))
+              if n and (_is_layer(n) or n in custom) and any(True for _ in m.parameters())]
     # The root (embeddings, final norm, output projection) stays unsharded from
     # forward to backward: the loss applies the output projection after the
     # root's forward and again in backward when it recomputes
@@ -123,6 +146,7 @@ def load_full_model_state_dict(
     cpu_offload: bool = False,
     strict: bool = True,
     source: str = "the checkpoint",
+    model_name: Optional[str] = None,
 ) -> Any:
     """Load an unsharded state dict (e.g. from the HF checkpointer) into a sharded model.
 
@@ -135,6 +159,9 @@ def load_full_model_state_dict(
         strict: False loads a subset (LoRA: base weights, then the adapter);
             the caller checks the returned keys.
         source: where the weights came from, for error messages.
+        model_name: the configured model (:func:`torchtune_ext.upstream.describe_model`);
+            when given, a misfit names it and the first mismatching key
+            (:func:`torchtune_ext.upstream.first_mismatch`).
 
     Returns:
         ``(missing_keys, unexpected_keys)`` as ``nn.Module.load_state_dict``.
@@ -144,7 +171,13 @@ def load_full_model_state_dict(
             or a shape of the state dict does not fit the model.
         RuntimeError: if a parameter or buffer is still on the meta device afterwards.
     """
-    expected = set(model.state_dict())
+    model_state = model.state_dict()
+    mismatch = first_mismatch(model_state, full_state_dict) if model_name else None
+    if mismatch:
+        raise ConfigError("checkpointer.checkpoint_dir", f"the weights in '{source}' do not fit the model "
+                          f"{model_name}: {mismatch}. Check that `model` and checkpointer.model_type match the "
+                          "checkpoint's architecture.")
+    expected = set(model_state)
     unexpected = [key for key in full_state_dict if key not in expected]
     try:
         if strict and unexpected:

@@ -173,6 +173,7 @@ def step_record(
     data: Optional[Any] = None,
     flops: Optional[ModelFlops] = None,
     peak_tflops: Optional[float] = None,
+    log_peak_memory: bool = True,
 ) -> Dict[str, Any]:
     """The metrics of one optimizer step, as logged by every recipe.
 
@@ -184,7 +185,8 @@ def step_record(
     step), ``num_tokens`` (trainable label tokens after
     the shift, all ranks: padding and masked prompts excluded),
     ``tokens_per_second`` (num_tokens / step wall time), ``step_seconds``,
-    ``peak_memory_gib`` (see :func:`peak_memory_gib`), ``skipped_steps``
+    ``peak_memory_gib`` (see :func:`peak_memory_gib`; left out with
+    ``log_peak_memory=False``), ``skipped_steps``
     (cumulative), ``tokens_seen`` (cumulative ``num_tokens`` of the steps that
     updated the model: an x axis comparable across batch sizes), and with
     ``dp_world_size > 1`` also ``dp_world_size`` and ``tokens_per_second_per_device``.
@@ -210,10 +212,10 @@ def step_record(
         num_tokens=result.num_tokens,
         tokens_per_second=result.num_tokens / step_seconds if step_seconds > 0 else 0.0,
         step_seconds=step_seconds,
-        peak_memory_gib=peak_memory_gib(device),
-        skipped_steps=skipped_steps,
-        tokens_seen=tokens_seen,
     )
+    if log_peak_memory:
+        record["peak_memory_gib"] = peak_memory_gib(device)
+    record.update(skipped_steps=skipped_steps, tokens_seen=tokens_seen)
     if data is not None and data.num_padded_positions > 0:
         record["padding_fraction"] = 1.0 - data.num_real_tokens / data.num_padded_positions
         if flops is not None and step_seconds > 0:
@@ -402,16 +404,23 @@ class StepReporter:
         peak_tflops_per_device (float, optional): the config's peak; None: see
             :func:`torchtune_ext.flops.peak_tflops_per_device` (measured on
             rank 0 only; an unknown GPU means no ``mfu``, with one warning).
+        log_peak_memory (bool): the ``log_peak_memory_stats`` key.
+        profiler: started here, stepped after every optimizer step and stopped
+            by :meth:`close` (``torchtune_ext.runtime.build_profiler``); None: no profiler.
     """
 
     def __init__(self, logger: MetricLogger, device: torch.device, *, total_steps: int, initial_step: int = 0,
                  log_every_n_steps: int = 1, dp_world_size: int = 1, rank: int = 0,
                  model: Optional[torch.nn.Module] = None, dtype: Optional[torch.dtype] = None,
-                 peak_tflops_per_device: Optional[float] = None):
+                 peak_tflops_per_device: Optional[float] = None, log_peak_memory: bool = True,
+                 profiler: Optional[Any] = None):
         from tqdm import tqdm
 
         self._logger, self._device = logger, device
         self._log_every, self._dp_world_size = log_every_n_steps, dp_world_size
+        self._log_peak_memory, self._profiler = log_peak_memory, profiler
+        if profiler is not None:
+            profiler.start()
         self._timer = StepTimer(device)
         self._flops = ModelFlops.from_model(model) if model is not None else None
         self._peak = None
@@ -431,7 +440,10 @@ class StepReporter:
         """Build the step's record (see :func:`step_record`), log it if due, advance the bar."""
         record = step_record(result, step=step, epoch=epoch, lr=lr, step_seconds=self._timer.stop(),
                              device=self._device, dp_world_size=self._dp_world_size, skipped_steps=skipped_steps,
-                             tokens_seen=tokens_seen, data=data, flops=self._flops, peak_tflops=self._peak)
+                             tokens_seen=tokens_seen, data=data, flops=self._flops, peak_tflops=self._peak,
+                             log_peak_memory=self._log_peak_memory)
+        if self._profiler is not None:
+            self._profiler.step()
         if step % self._log_every == 0:
             self._logger.log(record)
         self._bar.update(1)
@@ -440,6 +452,8 @@ class StepReporter:
 
     def close(self) -> None:
         self._bar.close()
+        if self._profiler is not None:
+            self._profiler.stop()
 
 
 def progress_description(record: Mapping[str, Any]) -> str:

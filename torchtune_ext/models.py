@@ -61,6 +61,7 @@ def lora_smollm2_135m(
     lora_dropout: float = 0.0,
     use_dora: bool = False,
     max_seq_len: int = 8192,
+    quantize_base: bool = False,
 ) -> TransformerDecoder:
     """SmolLM2-135M with LoRA (or DoRA) adapters.
 
@@ -75,6 +76,10 @@ def lora_smollm2_135m(
         lora_dropout: dropout probability on the adapter input.
         use_dora: use DoRA (magnitude-decomposed) adapters instead of LoRA.
         max_seq_len: as in :func:`smollm2_135m`.
+        quantize_base: QLoRA, as torchtune's builders: base weights in
+            torchao's NF4. SmolLM2's 576 x 576 and 192 x 576 attention
+            projections are not multiples of NF4's 16,384-value blocks, so
+            this raises (the recipes turn it into a config error).
 
     Returns:
         A ``TransformerDecoder`` whose base weights load from the same
@@ -82,6 +87,7 @@ def lora_smollm2_135m(
 
     Raises:
         ValueError: if ``apply_lora_to_output`` is True (raised by torchtune).
+        AssertionError: with ``quantize_base`` (raised by torchao).
     """
     return lora_llama3_2(
         lora_attn_modules=lora_attn_modules,
@@ -92,6 +98,7 @@ def lora_smollm2_135m(
         lora_dropout=lora_dropout,
         use_dora=use_dora,
         max_seq_len=max_seq_len,
+        quantize_base=quantize_base,
         **_SMOLLM2_135M,
     )
 
@@ -232,3 +239,47 @@ def lora_tiny_llama(
         scale_factor=_NO_ROPE_SCALING,
         tie_word_embeddings=tie_word_embeddings,
     )
+
+
+# torchao's NF4 (torchtune's QLoRA): weights are quantized in blocks of 64 values
+# whose scales are quantized again in blocks of 256 (to_nf4's defaults).
+NF4_BLOCK = 64 * 256
+
+
+def quantizes_base(cfg_model) -> bool:
+    """Whether a ``model`` config is a QLoRA model (``quantize_base``, or a ``qlora_*`` builder)."""
+    from torchtune_ext.config import ConfigError, lora_settings
+
+    try:
+        return lora_settings(cfg_model).quantize_base
+    except ConfigError:  # not a LoRA model
+        return False
+
+
+def nf4_error(err: BaseException):
+    """The config error for torchao's NF4 refusing a weight shape (``AssertionError`` from ``to_nf4``)."""
+    from torchtune_ext.config import ConfigError
+
+    return ConfigError("model.quantize_base", f"torchao's NF4 cannot quantize this model's weights ({err}): it "
+                       f"needs each weight's size to be a multiple of {NF4_BLOCK:,} values; use quantize_base=false "
+                       "(LoRA) for this model")
+
+
+def instantiate_lora_model(cfg_model, dtype, device) -> TransformerDecoder:
+    """Build a LoRA ``model`` config with ``dtype`` as default dtype on ``device``.
+
+    Raises:
+        ConfigError: (key ``model.quantize_base``) if QLoRA cannot quantize a
+            weight of this architecture: torchao's NF4 needs every quantized
+            weight to hold a multiple of 64 * 256 = 16,384 values (SmolLM2's
+            576 x 576 attention projections hold 331,776 = 20.25 x 16,384).
+    """
+    from torchtune import config, training
+
+    with training.set_default_dtype(dtype), device:
+        try:
+            return config.instantiate(cfg_model)
+        except AssertionError as err:
+            if quantizes_base(cfg_model):
+                raise nf4_error(err) from None
+            raise

@@ -141,6 +141,10 @@ def _check_model(cfg_model: DictConfig) -> None:
         with torch.device("meta"):
             model = tt_config.instantiate(cfg_model)
     except Exception as err:
+        from torchtune_ext.models import nf4_error, quantizes_base
+
+        if isinstance(err, AssertionError) and quantizes_base(cfg_model):
+            raise nf4_error(err) from None
         if adapter_on_output and "apply_lora_to_output" in str(err):
             if cfg_model.get("tie_word_embeddings", True):
                 raise ConfigError("model.apply_lora_to_output", tied) from None

@@ -42,6 +42,7 @@ from torchtune_ext.accounting import TokenTally, TokenTotals, dp_is_active, glob
 from torchtune_ext.health import NonFiniteError, StepHealth, TrainingHealthError  # noqa: F401 (re-exported)
 from torchtune_ext.loss import SummedCrossEntropyLoss, TokenSums, shift_labels
 from torchtune_ext.memory import MemoryGuard, shapes_of
+from torchtune_ext.optim_in_bwd import OptimizerInBackward
 
 log = logging.getLogger(__name__)
 
@@ -352,6 +353,11 @@ def train_step(
     no trainable token on any rank is skipped: parameters and optimizer state
     stay unchanged and a warning is logged.
 
+    With an :class:`~torchtune_ext.optim_in_bwd.OptimizerInBackward` the
+    parameters are updated by its hooks during the step's single backward
+    (``backward_once_per_step`` is implied), ``grad_norm`` is what the hooks
+    summed, and ``clip_grad_norm`` must be None.
+
     Args:
         step (int): 1-based optimizer step number, for messages.
         clip_grad_norm (float, optional): max total gradient norm; None: no clipping.
@@ -374,9 +380,17 @@ def train_step(
             became non-finite in this step's update.
     """
     health = health if health is not None else StepHealth(start_step=max(step - 1, 0))
+    in_backward = isinstance(optimizer, OptimizerInBackward)
+    if in_backward:
+        if clip_grad_norm is not None:
+            raise ValueError("clip_grad_norm cannot be used with an optimizer in backward")
+        optimizer.start_step()
     totals = forward_backward(
-        model, loss_fn, micro_batches, device=device, backward_once_per_step=backward_once_per_step,
-        dp_group=dp_group, memory_guard=memory_guard, step=step,
+        model, loss_fn, micro_batches, device=device,
+        # in backward: one backward per step, so each hook sees the parameter's whole step gradient
+        # (no fallback to a backward per micro-batch either)
+        backward_once_per_step=backward_once_per_step or in_backward, dp_group=dp_group,
+        memory_guard=None if in_backward else memory_guard, step=step,
     )
     num_tokens, local_num_tokens = totals.num_tokens, totals.local_num_tokens
     if num_tokens == 0:
@@ -388,17 +402,21 @@ def train_step(
     means = totals.means()
     loss = means.pop("loss")
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    grad_norm = grad_norm_and_clip(params, clip_grad_norm).item()
+    if in_backward:  # the hooks updated the parameters in backward and summed their gradients' squares
+        grad_norm = optimizer.grad_norm().item()
+    else:
+        grad_norm = grad_norm_and_clip(params, clip_grad_norm).item()
     try:
         skip = health.before_update(step, loss, grad_norm, num_tokens)
     except TrainingHealthError:
-        optimizer.zero_grad(set_to_none=True)  # nothing updated; the caller may go on with other data
+        # nothing updated (an optimizer in backward has, and is never combined with skipping)
+        optimizer.zero_grad(set_to_none=True)
         raise
     if skip:
         optimizer.zero_grad(set_to_none=True)
         return StepResult(loss, num_tokens, local_num_tokens, grad_norm, skipped="non-finite", metrics=means)
 
-    optimizer.step()
+    optimizer.step()  # in backward: the hooks updated already; this finds no gradient
     optimizer.zero_grad(set_to_none=True)
     health.after_update(step, params, loss, grad_norm)
     return StepResult(loss, num_tokens, local_num_tokens, grad_norm, metrics=means)
