@@ -185,6 +185,7 @@ def test_collate_fn_is_used(tmp_path):
         "dataset": {"_component_": "helpers.synthetic_sft_dataset", "num_samples": 4},
         "collate_fn": "test_upstream_keys.COLLATE", "batch_size": 2, "gradient_accumulation_steps": 1,
         "shuffle": False, "group_by_length": False, "max_tokens_per_micro_batch": None, "max_steps_per_epoch": None,
+        "data_errors": "warn",
     })
     with mock.patch(f"{__name__}.COLLATE", collate, create=True):
         loader = build_step_loader(cfg, SimpleNamespace(pad_id=7), seed=0, ignore_index=-100)

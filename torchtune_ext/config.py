@@ -227,7 +227,8 @@ def import_component(key: str, component: str) -> Any:
         if f"there is no module '{package}'" not in str(err):
             raise ConfigError(key, f"'{component}' cannot be imported: {err}") from None
     hint = _INSTALL_HINTS.get(package, f"`pip install {package}`")
-    raise ConfigError(key, f"{component} needs the Python package '{package}', which is not installed: {hint}")
+    raise ConfigError(key, f"{component} cannot be imported: there is no module '{package}' (its Python "
+                      f"package is not installed): {hint}")
 
 
 _INSTALL_HINTS = {
