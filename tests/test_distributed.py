@@ -83,8 +83,10 @@ EVAL_TOL = 1e-6
 ARCH_SPLITS, ARCH_CLIP = [(1, 4, 1), (1, 1, 4), (2, 2, 1)], 0.05
 CASES += [case(w, b, ga, once, model=m, arch=a, clip=ARCH_CLIP) for a in ("qwen2", "gemma") for m in ("full", "lora")
           for w, b, ga in ARCH_SPLITS for once in (True, False)]
-# custom_sharded_layers: embedding and output projection as FSDP units of their own.
-CASES += [case(2, 2, 1, False, arch="qwen2", clip=ARCH_CLIP, sharded=["tok_embeddings", "output"])]
+# custom_sharded_layers: embedding and output projection as FSDP units of their own (the loss
+# applies that output unit, and once per step recomputes it in backward).
+CASES += [case(2, 2, 1, False, arch="qwen2", clip=ARCH_CLIP, sharded=["tok_embeddings", "output"]),
+          case(2, 1, 2, True, arch="qwen2", clip=ARCH_CLIP, sharded=["tok_embeddings", "output"])]
 REFERENCE = {("llama", "full", 12): "full_n12_w1_b4_ga1_once", ("llama", "full", 11): "full_n11_w1_b4_ga1_once",
              ("llama", "full", 7): "full_n7_w1_b4_ga2_once", ("llama", "lora", 12): "lora_n12_w1_b4_ga1_once"}
 REFERENCE.update({(a, m, 12): f"{a}_{m}_n12_w1_b4_ga1_once_clip{ARCH_CLIP}" for a in ("qwen2", "gemma")
@@ -268,7 +270,7 @@ def test_validation_equals_independent_reference(results, model_kind):
 def test_custom_sharded_layers_get_units_of_their_own(results):
     """2 blocks + embedding + output + root; the same result as without them (checked above)."""
     sharded = [c["name"] for c in CASES if c.get("sharded")]
-    assert [results[n]["fsdp_units"] for n in sharded] == [5]
+    assert [results[n]["fsdp_units"] for n in sharded] == [5, 5]
     assert results[f"qwen2_full_n12_w2_b2_ga1_per_mb_clip{ARCH_CLIP}"]["fsdp_units"] == 3
 
 

@@ -192,6 +192,60 @@ def test_loss_projection_equals_model_logits(kind, once, chunks):
         assert rel_diff(grads[name], ref_grads[name]) <= 1e-5, name
 
 
+def _family_models():
+    """Other families' output paths: Qwen2 (q/k/v biases, untied output with a LoRA adapter), Gemma
+    (embeddings scaled by sqrt(dim), tied), Gemma 2 (its final norm caps the normed hidden state with
+    tanh: torchtune 0.6.1's Gemma2FinalNorm; a cap of 0.5 makes it bite)."""
+    from torchtune.models.gemma import gemma
+    from torchtune.models.gemma2 import gemma2
+    from torchtune.models.qwen2 import lora_qwen2
+    from torchtune.modules.peft import get_adapter_params, set_trainable_params
+
+    arch = dict(vocab_size=96, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=32, max_seq_len=64,
+                intermediate_dim=48)
+    torch.manual_seed(0)
+    qwen = lora_qwen2(["q_proj", "k_proj"], apply_lora_to_output=True, lora_rank=4, lora_alpha=8,
+                      tie_word_embeddings=False, **arch)
+    set_trainable_params(qwen, get_adapter_params(qwen))
+    with torch.no_grad():
+        for name, p in qwen.named_parameters():
+            if "lora_b" in name or name.endswith(".bias"):
+                p.normal_(std=0.05)  # nonzero: the biases and B matter
+    torch.manual_seed(0)
+    gemma_model = gemma(head_dim=8, **arch)
+    torch.manual_seed(0)
+    capped = gemma2(head_dim=8, final_capping_value=0.5, sliding_window_size=16, query_pre_attn_scalar=8, **arch)
+    for model in (gemma_model, capped):
+        torch.nn.init.normal_(model.tok_embeddings.weight, std=0.05)
+    return {"qwen2_lora_output": qwen, "gemma": gemma_model, "gemma2_capped": capped}
+
+
+@pytest.mark.parametrize("kind", ["qwen2_lora_output", "gemma", "gemma2_capped"])
+@pytest.mark.parametrize("once", [True, False], ids=["once_recomputed", "per_micro_batch"])
+def test_loss_projection_equals_model_logits_other_families(kind, once):
+    """The loss's projection is exactly the model's output for Qwen2 and Gemma too; for Gemma 2 the
+    soft cap (in the final norm, which the model still applies) is kept, and does change the loss."""
+    import copy
+
+    model = _family_models()[kind]
+    reference_model = copy.deepcopy(model)
+    reference_model.set_num_output_chunks(0)
+    ref_totals, ref_grads = _step_grads(reference_model, SummedCrossEntropyLoss(1, IGNORE), once=False)
+    loss_fn = SummedCrossEntropyLoss(3, IGNORE)
+    loss_fn.take_output_projection(model)
+    totals, grads = _step_grads(model, loss_fn, once)
+    for name in ("loss", "token_accuracy", "entropy"):
+        assert totals.sums[name] == pytest.approx(ref_totals.sums[name], rel=1e-5), name
+    assert grads.keys() == ref_grads.keys() and grads
+    for name in grads:
+        assert rel_diff(grads[name], ref_grads[name]) <= 1e-5, name
+    if kind == "gemma2_capped":
+        uncapped = copy.deepcopy(reference_model)
+        uncapped.norm.logit_capping.capping_value = 1e6
+        loss = _step_grads(uncapped, SummedCrossEntropyLoss(1, IGNORE), once=False)[0].sums["loss"]
+        assert loss != pytest.approx(ref_totals.sums["loss"], rel=1e-3)
+
+
 @pytest.mark.parametrize("chunks", [1, 3])
 def test_recompute_draws_the_same_dropout_masks(chunks):
     """LoRA dropout on the output adapter: the once-per-step backward recomputes each chunk with the

@@ -17,8 +17,10 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
 
 
-def run(model, optimizer, steps, backward_once_per_step=True):
+def run(model, optimizer, steps, backward_once_per_step=True, loss_projects=False):
     loss_fn = SummedCrossEntropyLoss(num_output_chunks=1)
+    if loss_projects:  # as the recipes: the loss applies the (tied) output projection, recomputed in backward
+        loss_fn.take_output_projection(model)
     results = []
     for window in steps:
         results.append(train_step(model, optimizer, loss_fn, window, device=CPU,
@@ -44,14 +46,18 @@ def test_optimizer_in_backward_equals_normal_step(kind):
     assert all(p.grad is None for p in bwd_model.parameters())  # updated and freed in backward
 
 
-def test_several_micro_batches_get_one_backward():
+@pytest.mark.parametrize("loss_projects", [False, True], ids=["model_logits", "loss_projects"])
+def test_several_micro_batches_get_one_backward(loss_projects):
     """A token budget can split a step into micro-batches even at gradient_accumulation_steps=1:
-    the in-backward path backpropagates them together, so each hook sees the whole step's gradient."""
+    the in-backward path backpropagates them together, so each hook sees the whole step's gradient
+    (also when the loss applies the tied output projection and recomputes it in that backward)."""
     base = tiny_model()
     steps = windows(SAMPLES, batch_size=3, grad_accum=2)  # 2 micro-batches per step
     ref_model, bwd_model = clone(base), clone(base)
-    ref = run(ref_model, adamw(list(ref_model.parameters())), steps, backward_once_per_step=False)
-    got = run(bwd_model, OptimizerInBackward(bwd_model.parameters(), adamw), steps, backward_once_per_step=False)
+    ref = run(ref_model, adamw(list(ref_model.parameters())), steps, backward_once_per_step=False,
+              loss_projects=loss_projects)
+    got = run(bwd_model, OptimizerInBackward(bwd_model.parameters(), adamw), steps, backward_once_per_step=False,
+              loss_projects=loss_projects)
     assert [g.loss for g in got] == pytest.approx([r.loss for r in ref], rel=1e-6)
     for p, q in zip(ref_model.parameters(), bwd_model.parameters()):
         assert rel_diff(q.detach(), p.detach()) <= 1e-6

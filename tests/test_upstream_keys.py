@@ -30,6 +30,20 @@ def test_optimizer_in_bwd_needs_one_micro_batch_and_no_clipping(cfg):
     refused(cfg, "optimizer_in_bwd", "gradient_accumulation_steps", "clip_grad_norm=1.0")
 
 
+def test_resume_keeps_optimizer_in_bwd(cfg):
+    """The saved optimizer state's layout follows optimizer_in_bwd: a resume that flips it is refused."""
+    from torchtune_ext.checkpoint import Progress, ResumeState
+    from torchtune_ext.resume import check_resume
+
+    cfg = validate(cfg)
+    saved = ResumeState(Progress(step=2), {}, [], config={**OmegaConf.to_container(cfg), "optimizer_in_bwd": True})
+    with pytest.raises(ConfigError) as err:
+        check_resume(saved, cfg)
+    assert err.value.key == "optimizer_in_bwd" and "optimizer_in_bwd=true" in str(err.value)
+    cfg.optimizer_in_bwd = True
+    check_resume(saved, cfg)
+
+
 def test_optimizer_package_not_installed(cfg):
     cfg.optimizer = {"_component_": "bitsandbytes.optim.PagedAdamW", "lr": 1e-5}
     refused(cfg, "optimizer._component_", "bitsandbytes.optim.PagedAdamW", "pip install bitsandbytes",

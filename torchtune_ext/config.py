@@ -608,7 +608,7 @@ def _check_combinations(cfg: DictConfig, training: bool = True) -> None:
     if cfg.dtype == "bf16" and _on_cuda(cfg):
         import torch
 
-        if not torch.cuda.is_bf16_supported():
+        if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():  # no CUDA: said by the device check
             raise ConfigError("dtype", "bf16 is not supported by this CUDA device; use dtype=fp32")
     if not training:
         return
@@ -686,11 +686,6 @@ def validate(cfg: DictConfig, extra_keys: Optional[Dict[str, Key]] = None,
 
     if training:  # evaluating a checkpoint may read a folder a run is writing
         _check_not_in_use(cfg.output_dir)
-    if cfg.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ConfigError("device", "cuda requested but no CUDA device is available; use device=cpu")
     _check_validation(cfg, training)
     _check_combinations(cfg, training)
     if training:
@@ -700,6 +695,12 @@ def validate(cfg: DictConfig, extra_keys: Optional[Dict[str, Key]] = None,
         if cfg.get(evaluate_on) is None:
             raise ConfigError(evaluate_on, "is required to evaluate on it")
         check_input_files(cfg, (evaluate_on,))
+    # After the files: weights not downloaded yet is the first thing to fix, on any machine.
+    if cfg.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("device", "cuda requested but no CUDA device is available; use device=cpu")
     return cfg
 
 

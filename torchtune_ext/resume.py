@@ -86,9 +86,16 @@ def check_resume(resumed: ResumeState, cfg: DictConfig) -> None:
     """Refuse settings a run cannot continue with; call it before building anything.
 
     Raises:
-        ConfigError: (key ``shuffle``) ``shuffle`` changed in the middle of an epoch.
+        ConfigError: (key ``shuffle``) ``shuffle`` changed in the middle of an epoch;
+            (key ``optimizer_in_bwd``) it changed: the saved optimizer state has
+            the other layout (one optimizer per parameter, or one for all).
     """
     saved = resumed.config
+    if saved is not None and bool(saved.get("optimizer_in_bwd", False)) != bool(cfg.get("optimizer_in_bwd", False)):
+        was = str(bool(saved.get("optimizer_in_bwd", False))).lower()
+        raise ConfigError("optimizer_in_bwd", f"the run was saved with optimizer_in_bwd={was}, whose optimizer "
+                          "state has another layout (one optimizer per parameter with true, one for all with "
+                          f"false); resume with optimizer_in_bwd={was}")
     if saved is not None and saved.get("shuffle") != cfg.shuffle and resumed.progress.samples_in_epoch:
         raise ConfigError("shuffle", f"the run was saved in the middle of epoch {resumed.progress.epoch} with "
                           f"shuffle={saved.get('shuffle')}: another order would train some of the epoch's "
