@@ -185,7 +185,7 @@ def _check(recipe: str, name: str, path: Path, tmp_path: Path) -> None:
         assert err.value.key == "checkpointer.checkpoint_dir", err.value
         command = download_command(str(checkpoint_dir))
         assert command and command.startswith("tune download ") and f"`{command}`" in str(err.value)
-        if path.is_relative_to(REPO_ROOT):  # ours: exactly the line of its own header
+        if path.is_relative_to(REPO_ROOT / "configs"):  # ours: exactly the line of its own header
             assert f"#   {command}\n" in path.read_text()
         assert "\n" not in str(err.value)
 
