@@ -177,7 +177,7 @@ def summarize(profile: Profile, runs: List[Dict[str, Any]], counts: Dict[str, An
                     comparisons[variant] = report.compare_to_upstream(mine, by_variant[UPSTREAM], profile.skip_steps)
         seq = [r["mean_sample_tokens"] for rs in by_variant.values() for r in rs if r.get("mean_sample_tokens")]
         groups[group.name] = {"kind": group.kind, "nproc": group.nproc, "ga": group.ga, "label": group.label,
-                              "batch_size": profile.batch_size_of(group),
+                              "batch_size": profile.batch_size_of(group), "tag": group.tag,
                               "max_seq_len": profile.max_seq_len_of(group),
                               "comparisons": comparisons,
                               "flops_per_token": fpt(seq[0]) if seq else None,
@@ -228,6 +228,9 @@ def realistic_markdown(result: Dict[str, Any], profile: Profile) -> str:
         "## Per-step loss",
         "",
         report.loss_table(usable, case_order),
+        "",
+        "—: not logged or not finite (upstream divides each micro-batch's loss by its own token count, "
+        "NaN when a micro-batch has no trainable token, e.g. every prompt truncated at a short max_seq_len).",
         "",
     ]
     hf = [r for name, r in usable.items() if name.endswith("_hf_trainer")]

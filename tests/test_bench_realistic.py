@@ -105,7 +105,7 @@ def test_realistic_targets_and_padding():
                         "summary": report.summarize_case(r, 1, lambda n: 1.0, None)} for v, r in runs.items()}
     assert cases["g_ours_once"]["summary"]["padding_fraction"]["median"] == 0.5
     targets = report.evaluate_realistic_targets(
-        cases, {"g": {"nproc": 1, "ga": 4, "batch_size": 8, "comparisons": comps}})
+        cases, {"g": {"nproc": 1, "ga": 4, "tag": "b8", "comparisons": comps}})
     met = {t["target"].split(":")[0].split(" (")[0]: t["met"] for t in targets}
     assert list(met.values()) == [True, False, False, True]  # speed, HF, memory (ours_each 2.5 > 2), losses
     assert "**not met**" in report.realistic_targets_table(targets)
