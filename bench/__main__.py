@@ -225,6 +225,14 @@ def realistic_markdown(result: Dict[str, Any], profile: Profile) -> str:
         "",
         report.realistic_targets_table(s["targets"]),
         "",
+        "## Cost of the accounting and the wait for the slowest rank (ours, rank 0)",
+        "",
+        "With 2 processes, `waiting for peers` is the time rank 0 waits at each step's first collective "
+        "for the other rank: what balancing the ranks' tokens (`group_by_length`, ours_once) is meant to "
+        "cut against ours_ungrouped.",
+        "",
+        report.accounting_table(s["cases"], [n for n in case_order if n in s["cases"]]),
+        "",
         "## Per-step loss",
         "",
         report.loss_table(usable, case_order),
