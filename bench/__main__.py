@@ -5,6 +5,8 @@
     python -m bench --dist-ga8      # 2 processes at GA 8 (about 10 min)
     python -m bench --quick         # smoke check, under 5 min
     python -m bench --gpu           # one CUDA device, bf16 (see bench/gpu_bench.sh)
+    python -m bench --realistic     # batch 8 x GA 4 x 512 tokens, grouping on/off, HF Trainer (about 1 h)
+    python -m bench --gpu-realistic # the same batch on one CUDA device, bf16
 
 Run from the repository root, with the project installed and its assets
 downloaded (``python -m torchtune_ext.download``). See docs/benchmarks.md.
@@ -20,6 +22,7 @@ rounds. Results: ``<results-dir>/<profile>.json`` (every run, per step) and
 """
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -51,11 +54,15 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
                       help="2 processes, GA 8, full fine-tune, one repeat (about 10 min)")
     mode.add_argument("--gpu", action="store_const", const="gpu", dest="profile",
                       help="one CUDA device, bf16, SmolLM2-135M full fine-tune, GA 1 and 8 (< 10 min)")
+    mode.add_argument("--realistic", action="store_const", const="realistic", dest="profile",
+                      help="issue 13: batch 8 x GA 4 x 512 tokens, grouping on/off, HF Trainer baseline")
+    mode.add_argument("--gpu-realistic", action="store_const", const="gpu_realistic", dest="profile",
+                      help="batch 8 x GA 4 x 512 tokens on one CUDA device, bf16, grouping on/off")
     parser.add_argument("--repeats", type=int, help="repeats of every case (profile default)")
     parser.add_argument("--steps", type=int, help="optimizer steps per run")
     parser.add_argument("--skip-steps", type=int, help="first steps left out of the statistics")
-    parser.add_argument("--batch-size", type=int, help="micro-batch size per process")
-    parser.add_argument("--max-seq-len", type=int, help="tokenizer.max_seq_len")
+    parser.add_argument("--batch-size", type=int, help="micro-batch size per process (every group)")
+    parser.add_argument("--max-seq-len", type=int, help="tokenizer.max_seq_len (every group)")
     parser.add_argument("--groups", help="comma-separated group names to run (e.g. full_1dev_ga4,full_2proc_ga4)")
     parser.add_argument("--no-warmup", action="store_true", help="skip the discarded warm-up runs")
     parser.add_argument("--results-dir", type=Path, default=Path("bench/results"))
@@ -78,6 +85,12 @@ def build_profile(args: argparse.Namespace) -> Profile:
                              skip_steps=args.skip_steps, batch_size=args.batch_size, max_seq_len=args.max_seq_len)
     if args.no_warmup:
         profile = with_overrides(profile, warmup=False)
+    # a size given on the command line is for every group, including those that set their own
+    if args.batch_size is not None or args.max_seq_len is not None:
+        profile = with_overrides(profile, groups=tuple(
+            dataclasses.replace(g, batch_size=None if args.batch_size is not None else g.batch_size,
+                                max_seq_len=None if args.max_seq_len is not None else g.max_seq_len)
+            for g in profile.groups))
     if args.groups:
         wanted = set(args.groups.split(","))
         unknown = wanted - {g.name for g in profile.groups}
@@ -155,19 +168,91 @@ def summarize(profile: Profile, runs: List[Dict[str, Any]], counts: Dict[str, An
                                     "nproc": group.nproc, "ga": group.ga,
                                     "summary": report.summarize_case(mine, profile.skip_steps, fpt,
                                                                      peak["flops_per_second"])}
-        comparisons = {}
-        for variant, mine in by_variant.items():
-            if variant != UPSTREAM and mine and by_variant.get(UPSTREAM):
-                comparisons[variant] = report.compare_to_upstream(mine, by_variant[UPSTREAM], profile.skip_steps)
+        if profile.report == "realistic":
+            comparisons = report.realistic_comparisons(by_variant, profile.skip_steps)
+        else:
+            comparisons = {}
+            for variant, mine in by_variant.items():
+                if variant != UPSTREAM and mine and by_variant.get(UPSTREAM):
+                    comparisons[variant] = report.compare_to_upstream(mine, by_variant[UPSTREAM], profile.skip_steps)
         seq = [r["mean_sample_tokens"] for rs in by_variant.values() for r in rs if r.get("mean_sample_tokens")]
         groups[group.name] = {"kind": group.kind, "nproc": group.nproc, "ga": group.ga, "label": group.label,
+                              "batch_size": profile.batch_size_of(group), "tag": group.tag,
+                              "max_seq_len": profile.max_seq_len_of(group),
                               "comparisons": comparisons,
                               "flops_per_token": fpt(seq[0]) if seq else None,
                               "mean_sample_tokens": seq[0] if seq else None}
-    return {"cases": cases, "groups": groups, "targets": report.evaluate_targets(cases, groups)}
+    evaluate = report.evaluate_realistic_targets if profile.report == "realistic" else report.evaluate_targets
+    first_runs = {}
+    for r in usable:
+        first_runs.setdefault(r["case"], r)
+    return {"cases": cases, "groups": groups, "targets": evaluate(cases, groups),
+            "losses": {name: [s.get("loss") for s in r["steps"]] for name, r in first_runs.items()}}
+
+
+def realistic_markdown(result: Dict[str, Any], profile: Profile) -> str:
+    """The report of the realistic profiles: one table of every case, per-step losses, targets."""
+    s = result["summary"]
+    order = [g.name for g in profile.groups if g.name in s["groups"]]
+    m = result["machine"]
+    usable = {}
+    for r in report.usable_runs(result["runs"]):
+        usable.setdefault(r["case"], r)
+    case_order = [c.name for c in profile.cases()]
+    lines = [
+        f"# Benchmark `{profile.name}`: realistic settings (issue 13)",
+        "",
+        f"{result['finished']}, {m.get('Model name', '?')}, {m.get('cpus')} CPUs, {m.get('memory_gib')} GiB"
+        + (f", {m['gpu']}" if m.get("gpu") else "") + f"; torch {m.get('torch')}, torchtune {m.get('torchtune')}.",
+        f"Command: `{result['command']}`",
+        "",
+        f"SmolLM2-135M-Instruct, Alpaca demo data (prompts masked), {profile.dtype} on {profile.device}, "
+        f"{profile.steps} optimizer steps per run, statistics over steps {profile.skip_steps + 1}-{profile.steps}, "
+        f"{profile.repeats} repeat(s), seed 0 (every implementation trains on the same samples per step). "
+        "Batch sizes are per process; a group's label gives its micro-batch size and `tokenizer.max_seq_len`. "
+        "Tokens/s counts non-padding tokens, the same definition for every implementation. × upstream / "
+        "× HF Trainer: this row's median tokens/s over theirs. Padding: share of the collated positions that "
+        "are padding. Peak memory: "
+        + ("max memory allocated" if profile.device == "cuda" else "peak RSS of the process (largest rank)")
+        + " from the first micro-batch to the last step. "
+        f"MFU against a measured peak of {result['peak']['flops_per_second'] / 1e9:.0f} GFLOP/s "
+        f"({result['peak']['dtype']} {result['peak']['n']}² matmul). Loss differences: largest relative "
+        "difference of the per-step loss over all steps.",
+        "",
+        report.realistic_table(s["cases"], s["groups"], order),
+        "",
+        "## Targets",
+        "",
+        report.realistic_targets_table(s["targets"]),
+        "",
+        "## Cost of the accounting and the wait for the slowest rank (ours, rank 0)",
+        "",
+        "With 2 processes, `waiting for peers` is the time rank 0 waits at each step's first collective "
+        "for the other rank: what balancing the ranks' tokens (`group_by_length`, ours_once) is meant to "
+        "cut against ours_ungrouped.",
+        "",
+        report.accounting_table(s["cases"], [n for n in case_order if n in s["cases"]]),
+        "",
+        "## Per-step loss",
+        "",
+        report.loss_table(usable, case_order),
+        "",
+        "—: not logged or not finite (upstream divides each micro-batch's loss by its own token count, "
+        "NaN when a micro-batch has no trainable token, e.g. every prompt truncated at a short max_seq_len).",
+        "",
+    ]
+    hf = [r for name, r in usable.items() if name.endswith("_hf_trainer")]
+    if hf:
+        lines += ["The HF Trainer's loss above is the sum of its micro-batch losses (each divided by the step's "
+                  "label count, `num_items_in_batch`); the Trainer logs the same number rounded to 4 digits.", ""]
+    redone = [r for r in result["runs"] if not r.get("used", True)]
+    lines += [f"Runs: {len(result['runs'])} ({len(redone)} discarded: other processes were busy during their round)."]
+    return "\n".join(lines) + "\n"
 
 
 def markdown(result: Dict[str, Any], profile: Profile) -> str:
+    if profile.report == "realistic":
+        return realistic_markdown(result, profile)
     s = result["summary"]
     order = [g.name for g in profile.groups if g.name in s["groups"]]
     case_order = [f"{g}_{v}" for g in order for v in ("ours_once", "ours_each") if f"{g}_{v}" in s["cases"]]
@@ -242,7 +327,7 @@ def main(argv: List[str] = None) -> int:
     if args.render:
         return render(args.render, args)
     profile = build_profile(args)
-    if profile.device == "cuda" and not torch.cuda.is_available():
+    if profile.device == "cuda" and not torch.cuda.is_available() and not args.dry_run:
         raise SystemExit("--gpu needs a CUDA device")
     cases = profile.cases()
     _log(f"profile {profile.name}: {len(cases)} cases x {profile.repeats} repeats, {profile.steps} steps each")

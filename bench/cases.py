@@ -1,4 +1,4 @@
-"""The benchmark's case matrix, its profiles (cpu, quick, gpu) and the command of each run."""
+"""The benchmark's case matrix, its profiles (cpu, quick, gpu, realistic, ...) and the command of each run."""
 
 import sys
 from dataclasses import dataclass, field, replace
@@ -8,12 +8,24 @@ from typing import Dict, List, Optional, Sequence, Tuple
 UPSTREAM = "upstream"
 OURS_ONCE = "ours_once"
 OURS_EACH = "ours_each"
+OURS_UNGROUPED = "ours_ungrouped"
+HF_TRAINER = "hf_trainer"
 VARIANTS = (UPSTREAM, OURS_ONCE, OURS_EACH)
 
 VARIANT_LABELS = {
     UPSTREAM: "upstream torchtune 0.6.1 (backward per micro-batch)",
     OURS_ONCE: "ours, backward_once_per_step=true",
     OURS_EACH: "ours, backward_once_per_step=false",
+    OURS_UNGROUPED: "ours, backward once per step, group_by_length=false",
+    HF_TRAINER: "Hugging Face Trainer (transformers), token-normalized loss",
+}
+
+# Overrides that make a variant of ours what its name says, after the common
+# ones (so they win). ours_once/ours_each keep the config's grouping (on).
+VARIANT_OVERRIDES: Dict[str, Tuple[str, ...]] = {
+    OURS_ONCE: ("backward_once_per_step=true",),
+    OURS_EACH: ("backward_once_per_step=false",),
+    OURS_UNGROUPED: ("backward_once_per_step=true", "group_by_length=false"),
 }
 
 # (implementation, kind, distributed) -> (recipe, config). Ours are files run
@@ -40,16 +52,26 @@ class Group:
     nproc: int
     ga: int
     variants: Tuple[str, ...] = VARIANTS
+    # Group-level settings that replace the profile's (None: the profile's), for
+    # profiles whose groups differ in micro-batch size or sequence length.
+    batch_size: Optional[int] = None
+    max_seq_len: Optional[int] = None
+    tag: str = ""  # appended to the name, to tell apart groups that differ only in the settings above
 
     @property
     def name(self) -> str:
         where = "1dev" if self.nproc == 1 else f"{self.nproc}proc"
-        return f"{self.kind}_{where}_ga{self.ga}"
+        return f"{self.kind}_{where}_ga{self.ga}" + (f"_{self.tag}" if self.tag else "")
 
     @property
     def label(self) -> str:
         where = "1 device" if self.nproc == 1 else f"{self.nproc} processes"
-        return f"{self.kind} · {where} · GA {self.ga}"
+        text = f"{self.kind} · {where} · GA {self.ga}"
+        if self.batch_size is not None:
+            text += f" · batch {self.batch_size}"
+        if self.max_seq_len is not None:
+            text += f" · len {self.max_seq_len}"
+        return text
 
 
 @dataclass(frozen=True)
@@ -63,7 +85,10 @@ class Case:
 
     @property
     def impl(self) -> str:
-        return UPSTREAM if self.variant == UPSTREAM else "ours"
+        """``upstream``, ``hf`` or ``ours``: which program runs (and how its logs are read)."""
+        if self.variant == UPSTREAM:
+            return UPSTREAM
+        return "hf" if self.variant == HF_TRAINER else "ours"
 
 
 @dataclass(frozen=True)
@@ -83,9 +108,18 @@ class Profile:
     run_timeout_s: int = 900
     pad_to: Optional[int] = None  # pad every micro-batch to this many tokens (fixed shapes)
     extra_overrides: Tuple[str, ...] = field(default_factory=tuple)
+    report: str = "standard"  # or "realistic": the tables and targets of bench.report's realistic section
 
     def cases(self) -> List[Case]:
         return [Case(g, v) for g in self.groups for v in g.variants]
+
+    def batch_size_of(self, group: Group) -> int:
+        """Micro-batch size per process of ``group`` (samples)."""
+        return group.batch_size if group.batch_size is not None else self.batch_size
+
+    def max_seq_len_of(self, group: Group) -> int:
+        """``tokenizer.max_seq_len`` of ``group`` (tokens)."""
+        return group.max_seq_len if group.max_seq_len is not None else self.max_seq_len
 
 
 def _groups(kind: str, nproc: int, gas: Sequence[int], variants: Sequence[str] = VARIANTS) -> List[Group]:
@@ -133,6 +167,29 @@ PROFILES: Dict[str, Profile] = {
 }
 
 
+# Realistic settings (issue 13): 32 samples per optimizer step in every group of
+# the 8 x 4 x 512 family (8 x GA 4 on one device, 4 x GA 4 on each of 2 processes).
+_REALISTIC_1DEV = (UPSTREAM, OURS_ONCE, OURS_EACH, OURS_UNGROUPED)
+REALISTIC_GROUPS = (
+    Group("full", 1, 4, _REALISTIC_1DEV + (HF_TRAINER,), batch_size=8, max_seq_len=512, tag="b8"),
+    Group("lora", 1, 4, _REALISTIC_1DEV, batch_size=8, max_seq_len=512, tag="b8"),
+    Group("full", 2, 4, (UPSTREAM, OURS_ONCE, OURS_UNGROUPED), batch_size=4, max_seq_len=512, tag="b4"),
+    # the HF Trainer at the benchmark's usual batch 1 (there grouping changes nothing)
+    Group("full", 1, 4, (OURS_ONCE, HF_TRAINER), batch_size=1, max_seq_len=256, tag="b1"),
+)
+PROFILES["realistic"] = Profile(
+    name="realistic", groups=REALISTIC_GROUPS, batch_size=8, max_seq_len=512,
+    steps=3, skip_steps=1, repeats=1, warmup=False, run_timeout_s=1800, report="realistic",
+)
+# The same on one CUDA device in bf16, one device only (bench/gpu_bench.sh --realistic).
+PROFILES["gpu_realistic"] = Profile(
+    name="gpu_realistic",
+    groups=(Group("full", 1, 4, _REALISTIC_1DEV, batch_size=8, max_seq_len=512, tag="b8"),),
+    device="cuda", dtype="bf16", batch_size=8, max_seq_len=512, steps=12, skip_steps=3, repeats=2,
+    warmup=True, run_timeout_s=240, report="realistic",
+)
+
+
 def with_overrides(profile: Profile, **changes) -> Profile:
     """The profile with some fields replaced (None values are ignored)."""
     return replace(profile, **{k: v for k, v in changes.items() if v is not None})
@@ -142,11 +199,11 @@ def run_overrides(case: Case, profile: Profile, output_dir: Path, steps: Optiona
     """``key=value`` overrides that make one run of ``case`` (both implementations take the same keys)."""
     overrides = [
         f"output_dir={output_dir}",
-        f"batch_size={profile.batch_size}",
+        f"batch_size={profile.batch_size_of(case.group)}",
         f"gradient_accumulation_steps={case.group.ga}",
         "epochs=1",
         f"max_steps_per_epoch={steps or profile.steps}",
-        f"tokenizer.max_seq_len={profile.max_seq_len}",
+        f"tokenizer.max_seq_len={profile.max_seq_len_of(case.group)}",
         # upstream seeds its sampler with 0 whatever the config says: the same
         # seed gives ours the same samples in the same order
         "seed=0",
@@ -160,7 +217,7 @@ def run_overrides(case: Case, profile: Profile, output_dir: Path, steps: Optiona
     ]
     if case.impl == "ours":
         overrides += [
-            f"backward_once_per_step={'true' if case.variant == OURS_ONCE else 'false'}",
+            *VARIANT_OVERRIDES[case.variant],
             "save_final_checkpoint=false",
             # the same metric backend as upstream's configs (its extra keys are ignored by DiskLogger)
             "metric_logger._component_=torchtune.training.metric_logging.DiskLogger",
@@ -171,6 +228,12 @@ def run_overrides(case: Case, profile: Profile, output_dir: Path, steps: Optiona
 def command(case: Case, profile: Profile, output_dir: Path, steps: Optional[int] = None,
             python: str = sys.executable) -> List[str]:
     """The command line of one run, to start from the repository root."""
+    if case.impl == "hf":
+        if case.group.kind != "full" or case.group.nproc != 1:
+            raise ValueError(f"{case.name}: the HF Trainer baseline is a full fine-tune on one device")
+        _, config = RECIPES[("ours", "full", False)]
+        return [python, "-m", "bench.hf_trainer", "--out", str(output_dir / "probe.json"), "--config", config,
+                *run_overrides(case, profile, output_dir, steps)]
     recipe, config = RECIPES[(case.impl, case.group.kind, case.group.nproc > 1)]
     launch_args = ["--out", str(output_dir / "probe.json")]
     if case.impl == UPSTREAM:

@@ -4,12 +4,15 @@
 # gradient accumulation 1 and 8, two repeats after a warm-up. Sized to finish
 # in under 10 minutes on an H100/H200-class GPU (about 15 short runs).
 #
-#   bash bench/gpu_bench.sh            # from the repository root
+#   bash bench/gpu_bench.sh              # from the repository root
+#   bash bench/gpu_bench.sh --realistic  # batch 8 x GA 4 x 512 tokens, grouping on/off (issue 13)
 #
 # Needs the project installed and its assets in assets/ (python -m
 # torchtune_ext.download on a machine with access to the package registry;
 # copy assets/ over if the GPU machine has none). Writes
-# bench/results/gpu.json and bench/results/gpu.md.
+# bench/results/gpu.json and bench/results/gpu.md (--realistic: gpu_realistic.json/.md,
+# full fine-tune, upstream vs ours with backward once / per micro-batch and
+# with group_by_length off, 2 repeats of 12 steps after a warm-up).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -23,5 +26,10 @@ if [ ! -f assets/SmolLM2-135M-Instruct/model.safetensors ]; then
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
 
+profile=--gpu
+if [ "${1:-}" = "--realistic" ]; then
+    profile=--gpu-realistic
+    shift
+fi
 # A GPU machine is not shared with other jobs: do not wait for the CPUs to go quiet.
-exec timeout 570 python -m bench --gpu --wait-quiet-s 0 --max-redo 0 "$@"
+exec timeout 570 python -m bench "$profile" --wait-quiet-s 0 --max-redo 0 "$@"

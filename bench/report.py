@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from bench import analysis
 from bench.analysis import GIB, fmt, fmt_median_spread, markdown_table
-from bench.cases import OURS_EACH, OURS_ONCE, UPSTREAM, VARIANT_LABELS
+from bench.cases import HF_TRAINER, OURS_EACH, OURS_ONCE, OURS_UNGROUPED, UPSTREAM, VARIANT_LABELS
 
 ACCOUNTING_PIECES = ("count_tokens", "global_sum", "step_record", "logging")
 
@@ -39,6 +39,14 @@ def accounting_share(run: Mapping[str, Any], skip_steps: int) -> Dict[str, Optio
     return out
 
 
+def padding_fraction(steps: Sequence[Mapping[str, Any]]) -> Optional[float]:
+    """Share of the collated positions (rows x padded length, all steps) that are padding; None if unknown."""
+    padded = [s.get("padded_tokens") for s in steps]
+    if not steps or any(p is None for p in padded) or not sum(padded):
+        return None
+    return 1.0 - sum(s["non_padding_tokens"] for s in steps) / sum(padded)
+
+
 def summarize_case(
     runs: Sequence[Mapping[str, Any]], skip_steps: int, flops_per_token_fn, peak_flops: Optional[float]
 ) -> Dict[str, Any]:
@@ -62,6 +70,7 @@ def summarize_case(
         "trainable_tokens_per_second": analysis.summarize([t["trainable_tokens_per_second"] for t in per_run]),
         "peak_memory_gib": analysis.summarize([max(r["peak_memory_bytes"]) / GIB for r in runs]),
         "mfu": analysis.summarize([m for m in mfus if m is not None]),
+        "padding_fraction": analysis.summarize([padding_fraction(r["steps"]) for r in runs]),
         "measured_steps": per_run[0]["measured_steps"] if per_run else 0,
         "per_run_tokens_per_second": [t["tokens_per_second"] for t in per_run],
         "foreign_cpu": [r.get("foreign_cpu") for r in runs],
@@ -244,3 +253,114 @@ def targets_table(targets: Sequence[Mapping[str, Any]]) -> str:
         status = "—" if not t["values"] else ("met" if t["met"] else "**not met**")
         rows.append([t["target"], status, detail])
     return markdown_table(["target", "result", "measured"], rows, "lll")
+
+
+# ------------------------------------------------------------ realistic profile
+
+REALISTIC_ORDER = (UPSTREAM, OURS_ONCE, OURS_EACH, OURS_UNGROUPED, HF_TRAINER)
+LOSS_MATCH = 1e-5  # grouping and the backward mode only reorder float sums
+
+
+def realistic_comparisons(by_variant: Mapping[str, Sequence[Mapping[str, Any]]], skip_steps: int) -> Dict[str, Any]:
+    """Every pair the realistic report shows, as :func:`compare_to_upstream` of (ours, reference).
+
+    Returns:
+        ``{"vs_upstream": {variant: ...}, "vs_ungrouped": {variant: ...}, "vs_hf": {variant: ...}}``;
+        a reference absent from the group gives an empty dict.
+    """
+    out: Dict[str, Any] = {}
+    for key, ref in (("vs_upstream", UPSTREAM), ("vs_ungrouped", OURS_UNGROUPED), ("vs_hf", HF_TRAINER)):
+        out[key] = {v: compare_to_upstream(runs, by_variant[ref], skip_steps)
+                    for v, runs in by_variant.items() if v != ref and runs and by_variant.get(ref)}
+    return out
+
+
+def evaluate_realistic_targets(cases: Mapping[str, Mapping[str, Any]],
+                               groups: Mapping[str, Mapping[str, Any]]) -> List[Dict[str, Any]]:
+    """Issue 13's targets at realistic settings, each with its numbers and met / not met.
+
+    Args:
+        cases: as :func:`evaluate_targets`.
+        groups: group name -> {"nproc", "tag", "comparisons": :func:`realistic_comparisons`}; the speed
+            target reads the one-device groups tagged ``b8`` (batch 8 x GA 4 in the realistic profile).
+    """
+    targets = []
+
+    def target(text, values, key, ok):
+        vals = [v[key] for v in values if v.get(key) is not None]
+        targets.append({"target": text, "values": values, "key": key,
+                        "met": bool(vals) and len(vals) == len(values) and all(ok(x) for x in vals)})
+
+    speed = [{"group": name, "variant": OURS_ONCE, "ratio": g["comparisons"]["vs_upstream"][OURS_ONCE]["ratio"]}
+             for name, g in sorted(groups.items())
+             if g["nproc"] == 1 and g.get("tag") == "b8" and OURS_ONCE in g["comparisons"]["vs_upstream"]]
+    target("8 x GA 4, one device: ours / upstream non-padding tokens/s >= 1.5", speed, "ratio", lambda x: x >= 1.5)
+
+    hf = [{"group": name, "variant": OURS_ONCE, "ratio": g["comparisons"]["vs_hf"][OURS_ONCE]["ratio"]}
+          for name, g in sorted(groups.items()) if OURS_ONCE in g["comparisons"]["vs_hf"]]
+    target("ours / HF Trainer non-padding tokens/s >= 1.0 (1 x 4 and 8 x 4)", hf, "ratio", lambda x: x >= 1.0)
+
+    mem = []
+    for name, g in sorted(groups.items()):
+        up = cases.get(f"{name}_{UPSTREAM}")
+        for variant in (OURS_ONCE, OURS_EACH):
+            mine = cases.get(f"{name}_{variant}")
+            if up and mine:
+                a, b = mine["summary"]["peak_memory_gib"]["median"], up["summary"]["peak_memory_gib"]["median"]
+                mem.append({"group": name, "variant": variant, "ratio": a / b if a and b else None})
+    target("peak memory <= upstream, both backward modes", mem, "ratio", lambda x: x <= 1.0)
+
+    loss = [{"group": name, "variant": v, "diff": comp.get("max_rel_diff_loss")}
+            for name, g in sorted(groups.items()) for v, comp in sorted(g["comparisons"]["vs_ungrouped"].items())
+            if v in (OURS_ONCE, OURS_EACH)]
+    target(f"grouped losses = ungrouped losses (max rel. difference <= {LOSS_MATCH:g})", loss, "diff",
+           lambda x: x <= LOSS_MATCH)
+    return targets
+
+
+def realistic_targets_table(targets: Sequence[Mapping[str, Any]]) -> str:
+    rows = []
+    for t in targets:
+        spec = ".1e" if t["key"] == "diff" else ".2f"
+        detail = ", ".join(f"{v['group']} {v['variant']}: {fmt(v[t['key']], spec)}" for v in t["values"])
+        status = "—" if not t["values"] else ("met" if t["met"] else "**not met**")
+        rows.append([t["target"], status, detail])
+    return markdown_table(["target", "result", "measured"], rows, "lll")
+
+
+def realistic_table(cases: Mapping[str, Mapping[str, Any]], groups: Mapping[str, Mapping[str, Any]],
+                    group_order: Sequence[str]) -> str:
+    """One row per case: speed, memory, MFU, padding, and the loss differences to the references."""
+    header = ["group", "implementation", "step time (s)", "non-padding tokens/s", "× upstream", "× HF Trainer",
+              "peak mem (GiB)", "MFU", "padding", "max rel. Δ loss vs upstream", "vs ungrouped", "vs HF"]
+    rows = []
+    for gname in group_order:
+        g = groups[gname]
+        comps = g["comparisons"]
+        for variant in REALISTIC_ORDER:
+            c = cases.get(f"{gname}_{variant}")
+            if c is None:
+                continue
+            s = c["summary"]
+            up, ung, hf = (comps[k].get(variant, {}) for k in ("vs_upstream", "vs_ungrouped", "vs_hf"))
+            mfu, pad = s["mfu"]["median"], s["padding_fraction"]["median"]
+            rows.append([
+                g["label"], VARIANT_LABELS[variant], fmt_median_spread(s["step_seconds"]),
+                fmt_median_spread(s["tokens_per_second"]),
+                "1" if variant == UPSTREAM else fmt(up.get("ratio"), ".2f"),
+                "1" if variant == HF_TRAINER else fmt(hf.get("ratio"), ".2f"),
+                fmt(s["peak_memory_gib"]["median"], ".2f"), f"{100 * mfu:.1f}%" if mfu is not None else "—",
+                f"{100 * pad:.1f}%" if pad is not None else "—",
+                fmt(up.get("max_rel_diff_loss"), ".1e"), fmt(ung.get("max_rel_diff_loss"), ".1e"),
+                fmt(hf.get("max_rel_diff_loss"), ".1e"),
+            ])
+    return markdown_table(header, rows, "ll" + "r" * 10)
+
+
+def loss_table(runs_by_case: Mapping[str, Mapping[str, Any]], order: Sequence[str]) -> str:
+    """Per-step loss of the first usable run of every case (full precision, to read the differences)."""
+    names = [n for n in order if n in runs_by_case]
+    steps = max((len(runs_by_case[n]["steps"]) for n in names), default=0)
+    rows = [[n] + [fmt(s.get("loss"), ".7f") for s in runs_by_case[n]["steps"]] + ["—"] * (steps - len(runs_by_case[n]["steps"]))
+            for n in names]
+    return markdown_table(["case"] + [f"step {k}" for k in range(1, steps + 1)], rows)

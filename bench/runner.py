@@ -151,8 +151,9 @@ def read_run(case: Case, output_dir: Path, num_steps: int) -> Dict[str, Any]:
     """Per-step numbers of a finished run, from its probe files and its own metric log.
 
     Returns a dict with ``steps`` (one dict per optimizer step: ``period``,
-    token counts summed over ranks, ``loss``, ``grad_norm`` and the recipe's
-    own token count ``logged_tokens``), ``peak_memory_bytes`` (per rank),
+    token counts summed over ranks, ``padded_tokens`` (rows x padded length,
+    summed over micro-batches and ranks), ``loss``, ``grad_norm`` and the
+    recipe's own token count ``logged_tokens``), ``peak_memory_bytes`` (per rank),
     ``torch_threads``, ``accounting`` (ours: seconds per piece, per step) and
     ``mean_sample_tokens``.
     """
@@ -177,7 +178,13 @@ def read_run(case: Case, output_dir: Path, num_steps: int) -> Dict[str, Any]:
         else:
             entry["recipe_step_seconds"] = metrics.get("step_seconds")
             entry["logged_tokens"] = metrics.get("num_tokens")
+        if "hf_logged_loss" in metrics:  # the HF Trainer's own (rounded) loss, next to the exact sum
+            entry["hf_logged_loss"] = metrics["hf_logged_loss"]
         steps.append(entry)
+    for k, entry in enumerate(steps):
+        # rows x padded length of the step's micro-batches, all ranks (None if a probe lacks shapes)
+        shapes = [mb.get("padded_shape") for p in probes for mb in p["micro_batches"][k * case.group.ga:(k + 1) * case.group.ga]]
+        entry["padded_tokens"] = sum(s[0] * s[1] for s in shapes) if all(shapes) else None
     samples = sum(mb["samples"] for p in probes for mb in p["micro_batches"][:num_steps * case.group.ga])
     non_padding = sum(s["non_padding_tokens"] for s in steps)
     accounting: Dict[str, Dict[str, float]] = {}

@@ -1,0 +1,111 @@
+"""The realistic benchmark profile (issue 13): its case matrix, per-variant overrides, the HF Trainer
+baseline's command line and label count, and the report's targets. Fast: nothing is trained."""
+
+from pathlib import Path
+
+import torch
+
+from bench import report
+from bench.__main__ import build_profile, main, parse_args
+from bench.cases import (HF_TRAINER, OURS_EACH, OURS_ONCE, OURS_UNGROUPED, PROFILES, UPSTREAM, Case, command,
+                         run_overrides)
+from bench.hf_trainer import shifted_label_count
+
+OUT = Path("/tmp/out")
+
+
+def _case(group_name, variant, profile="realistic"):
+    p = PROFILES[profile]
+    (group,) = [g for g in p.groups if g.name == group_name]
+    return Case(group, variant), p
+
+
+def _value(overrides, key):
+    values = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == key]
+    return values[-1] if values else None  # the last one wins, as in torchtune's parser
+
+
+def test_realistic_matrix():
+    names = {c.name for c in PROFILES["realistic"].cases()}
+    assert names == {
+        *(f"full_1dev_ga4_b8_{v}" for v in (UPSTREAM, OURS_ONCE, OURS_EACH, OURS_UNGROUPED, HF_TRAINER)),
+        *(f"lora_1dev_ga4_b8_{v}" for v in (UPSTREAM, OURS_ONCE, OURS_EACH, OURS_UNGROUPED)),
+        *(f"full_2proc_ga4_b4_{v}" for v in (UPSTREAM, OURS_ONCE, OURS_UNGROUPED)),
+        "full_1dev_ga4_b1_ours_once", "full_1dev_ga4_b1_hf_trainer",
+    }
+
+
+def test_every_group_of_the_8x4_family_has_32_samples_per_step():
+    p = PROFILES["realistic"]
+    for g in p.groups:
+        if p.max_seq_len_of(g) == 512:
+            assert g.nproc * p.batch_size_of(g) * g.ga == 32
+
+
+def test_variant_overrides():
+    case, p = _case("full_1dev_ga4_b8", OURS_UNGROUPED)
+    o = run_overrides(case, p, OUT)
+    assert _value(o, "group_by_length") == "false" and _value(o, "backward_once_per_step") == "true"
+    assert _value(o, "batch_size") == "8" and _value(o, "tokenizer.max_seq_len") == "512"
+    once = run_overrides(*_case("full_1dev_ga4_b8", OURS_ONCE), OUT)
+    assert _value(once, "group_by_length") is None and _value(once, "backward_once_per_step") == "true"
+    assert _value(run_overrides(*_case("full_1dev_ga4_b8", OURS_EACH), OUT), "backward_once_per_step") == "false"
+    up = run_overrides(*_case("full_2proc_ga4_b4", UPSTREAM), OUT)
+    assert _value(up, "batch_size") == "4" and _value(up, "group_by_length") is None
+    b1 = run_overrides(*_case("full_1dev_ga4_b1", OURS_ONCE), OUT)
+    assert _value(b1, "batch_size") == "1" and _value(b1, "tokenizer.max_seq_len") == "256"
+
+
+def test_hf_trainer_command():
+    case, p = _case("full_1dev_ga4_b1", HF_TRAINER)
+    cmd = command(case, p, OUT, python="python")
+    assert cmd[:3] == ["python", "-m", "bench.hf_trainer"]
+    assert cmd[cmd.index("--out") + 1] == str(OUT / "probe.json")
+    assert cmd[cmd.index("--config") + 1] == "configs/smollm2/135M_full_single_device.yaml"
+    assert "seed=0" in cmd and "gradient_accumulation_steps=4" in cmd and "batch_size=1" in cmd
+    assert not any(a.startswith(("backward_once_per_step", "metric_logger")) for a in cmd)
+
+
+def test_command_line_sizes_apply_to_every_group():
+    p = build_profile(parse_args(["--realistic", "--batch-size", "2", "--max-seq-len", "128"]))
+    assert {(p.batch_size_of(g), p.max_seq_len_of(g)) for g in p.groups} == {(2, 128)}
+
+
+def test_dry_run_lists_every_realistic_case(capsys):
+    assert main(["--realistic", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    for case in PROFILES["realistic"].cases():
+        assert f"/{case.name}/probe.json" in out
+    assert out.count("bench.hf_trainer") == 2 and out.count("--nproc_per_node=2") == 3
+
+
+def test_shifted_label_count():
+    labels = torch.tensor([[5, -100, 7, 8], [-100, -100, 3, -100]])
+    # column 0 is never a target: 3 of row 0 (7, 8 and... not 5), 1 of row 1
+    assert shifted_label_count(labels) == 3
+    assert shifted_label_count(torch.full((2, 3), -100)) == 0
+
+
+def _run(losses, tps_tokens=100, peak=1.0):
+    steps = [{"step": k + 1, "period": None if k == 0 else 1.0, "non_padding_tokens": tps_tokens,
+              "trainable_tokens": 10, "trainable_tokens_pre_shift": 10, "padded_tokens": 2 * tps_tokens,
+              "loss": loss, "grad_norm": 1.0, "logged_tokens": 10} for k, loss in enumerate(losses)]
+    return {"steps": steps, "peak_memory_bytes": [peak * 1024**3], "repeat": 0, "mean_sample_tokens": 50.0}
+
+
+def test_realistic_targets_and_padding():
+    runs = {UPSTREAM: [_run([2.0, 1.0], 100, 2.0)], OURS_ONCE: [_run([2.0, 1.000001], 200, 1.5)],
+            OURS_EACH: [_run([2.0, 1.0], 160, 2.5)], OURS_UNGROUPED: [_run([2.0, 1.0], 120, 1.5)],
+            HF_TRAINER: [_run([2.0, 1.0], 250, 3.0)]}
+    comps = report.realistic_comparisons(runs, skip_steps=1)
+    assert comps["vs_upstream"][OURS_ONCE]["ratio"] == 2.0
+    assert comps["vs_hf"][OURS_ONCE]["ratio"] == 0.8
+    assert abs(comps["vs_ungrouped"][OURS_ONCE]["max_rel_diff_loss"] - 1e-6) < 1e-9
+    cases = {f"g_{v}": {"group": "g", "variant": v, "kind": "full", "nproc": 1, "ga": 4,
+                        "summary": report.summarize_case(r, 1, lambda n: 1.0, None)} for v, r in runs.items()}
+    assert cases["g_ours_once"]["summary"]["padding_fraction"]["median"] == 0.5
+    targets = report.evaluate_realistic_targets(
+        cases, {"g": {"nproc": 1, "ga": 4, "tag": "b8", "comparisons": comps}})
+    met = {t["target"].split(":")[0].split(" (")[0]: t["met"] for t in targets}
+    assert list(met.values()) == [True, False, False, True]  # speed, HF, memory (ours_each 2.5 > 2), losses
+    assert "**not met**" in report.realistic_targets_table(targets)
