@@ -190,22 +190,29 @@ def summarize(profile: Profile, runs: List[Dict[str, Any]], counts: Dict[str, An
             "losses": {name: [s.get("loss") for s in r["steps"]] for name, r in first_runs.items()}}
 
 
-def realistic_markdown(result: Dict[str, Any], profile: Profile) -> str:
-    """The report of the realistic profiles: one table of every case, per-step losses, targets."""
-    s = result["summary"]
-    order = [g.name for g in profile.groups if g.name in s["groups"]]
+def _heading(result: Dict[str, Any], title: str) -> List[str]:
+    """A report's title, then when, on what machine and software, and by which command it ran."""
     m = result["machine"]
-    usable = {}
-    for r in report.usable_runs(result["runs"]):
-        usable.setdefault(r["case"], r)
-    case_order = [c.name for c in profile.cases()]
-    lines = [
-        f"# Benchmark `{profile.name}`: realistic settings (issue 13)",
+    return [
+        title,
         "",
         f"{result['finished']}, {m.get('Model name', '?')}, {m.get('cpus')} CPUs, {m.get('memory_gib')} GiB"
         + (f", {m['gpu']}" if m.get("gpu") else "") + f"; torch {m.get('torch')}, torchtune {m.get('torchtune')}.",
         f"Command: `{result['command']}`",
         "",
+    ]
+
+
+def realistic_markdown(result: Dict[str, Any], profile: Profile) -> str:
+    """The report of the realistic profiles: one table of every case, per-step losses, targets."""
+    s = result["summary"]
+    order = [g.name for g in profile.groups if g.name in s["groups"]]
+    usable = {}
+    for r in report.usable_runs(result["runs"]):
+        usable.setdefault(r["case"], r)
+    case_order = [c.name for c in profile.cases()]
+    lines = [
+        *_heading(result, f"# Benchmark `{profile.name}`: realistic settings (issue 13)"),
         f"SmolLM2-135M-Instruct, Alpaca demo data (prompts masked), {profile.dtype} on {profile.device}, "
         f"{profile.steps} optimizer steps per run, statistics over steps {profile.skip_steps + 1}-{profile.steps}, "
         f"{profile.repeats} repeat(s), seed 0 (every implementation trains on the same samples per step). "
@@ -256,14 +263,8 @@ def markdown(result: Dict[str, Any], profile: Profile) -> str:
     s = result["summary"]
     order = [g.name for g in profile.groups if g.name in s["groups"]]
     case_order = [f"{g}_{v}" for g in order for v in ("ours_once", "ours_each") if f"{g}_{v}" in s["cases"]]
-    m = result["machine"]
     lines = [
-        f"# Benchmark `{profile.name}`: ours vs upstream torchtune 0.6.1",
-        "",
-        f"{result['finished']}, {m.get('Model name', '?')}, {m.get('cpus')} CPUs, {m.get('memory_gib')} GiB"
-        + (f", {m['gpu']}" if m.get("gpu") else "") + f"; torch {m.get('torch')}, torchtune {m.get('torchtune')}.",
-        f"Command: `{result['command']}`",
-        "",
+        *_heading(result, f"# Benchmark `{profile.name}`: ours vs upstream torchtune 0.6.1"),
         f"SmolLM2-135M-Instruct, Alpaca demo data (prompts masked), {profile.dtype} on {profile.device}, "
         f"micro-batch {profile.batch_size} per process, `tokenizer.max_seq_len={profile.max_seq_len}`, "
         + (f"every micro-batch padded to {profile.pad_to} tokens, " if profile.pad_to else "") +
