@@ -183,11 +183,7 @@ def summarize(profile: Profile, runs: List[Dict[str, Any]], counts: Dict[str, An
                               "flops_per_token": fpt(seq[0]) if seq else None,
                               "mean_sample_tokens": seq[0] if seq else None}
     evaluate = report.evaluate_realistic_targets if profile.report == "realistic" else report.evaluate_targets
-    first_runs = {}
-    for r in usable:
-        first_runs.setdefault(r["case"], r)
-    return {"cases": cases, "groups": groups, "targets": evaluate(cases, groups),
-            "losses": {name: [s.get("loss") for s in r["steps"]] for name, r in first_runs.items()}}
+    return {"cases": cases, "groups": groups, "targets": evaluate(cases, groups)}
 
 
 def _heading(result: Dict[str, Any], title: str) -> List[str]:

@@ -47,15 +47,6 @@ import torch
 from bench.launch import IGNORE_INDEX, Probe
 
 
-def shifted_label_count(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> int:
-    """Labels a causal LM trains on in ``labels`` ``[batch, seq]``: the non-ignored ones after the shift.
-
-    The model predicts position ``t + 1`` from position ``t``, so column 0 of
-    the labels is never a target.
-    """
-    return int((labels[..., 1:] != ignore_index).sum())
-
-
 def _epoch_order(size: int, seed: int) -> List[int]:
     from torchtune_ext.data import epoch_order
 

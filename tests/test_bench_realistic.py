@@ -9,7 +9,7 @@ from bench import report
 from bench.__main__ import build_profile, main, parse_args
 from bench.cases import (HF_TRAINER, OURS_EACH, OURS_ONCE, OURS_UNGROUPED, PROFILES, UPSTREAM, Case, command,
                          run_overrides)
-from bench.hf_trainer import shifted_label_count
+from bench.launch import Probe
 
 OUT = Path("/tmp/out")
 
@@ -79,11 +79,16 @@ def test_dry_run_lists_every_realistic_case(capsys):
     assert out.count("bench.hf_trainer") == 2 and out.count("--nproc_per_node=2") == 3
 
 
-def test_shifted_label_count():
-    labels = torch.tensor([[5, -100, 7, 8], [-100, -100, 3, -100]])
-    # column 0 is never a target: 3 of row 0 (7, 8 and... not 5), 1 of row 1
-    assert shifted_label_count(labels) == 3
-    assert shifted_label_count(torch.full((2, 3), -100)) == 0
+def test_probe_counts_labels_after_the_shift(tmp_path):
+    """The HF Trainer's tokens, like every case's, are counted by the collate probe: column 0 is never a target."""
+    probe = Probe(tmp_path / "probe.json", "hf", "transformers.Trainer", [])
+    probe._peak_started = True  # leave this test process's peak-RSS counter alone
+    samples = [{"tokens": [1, 2, 3, 4], "labels": [5, -100, 7, 8]}, {"tokens": [1, 2, 3], "labels": [-100, -100, 3]},
+               {"tokens": [1, 2], "labels": [-100, -100]}]
+    probe.micro_batch(samples, {"tokens": torch.zeros(3, 4, dtype=torch.long)})
+    (mb,) = probe.data["micro_batches"]
+    assert (mb["trainable_tokens_pre_shift"], mb["trainable_tokens"]) == (4, 3)
+    assert mb["non_padding_tokens"] == 9 and mb["padded_shape"] == [3, 4]
 
 
 def _run(losses, tps_tokens=100, peak=1.0):
