@@ -68,27 +68,48 @@ def step_periods(step_end_times: Sequence[float]) -> Dict[int, float]:
     return {i + 1: step_end_times[i] - step_end_times[i - 1] for i in range(1, len(step_end_times))}
 
 
+def micro_batches_of_step(rank_batches: Sequence[Mapping[str, Any]], ga: int, k: int) -> List[Mapping[str, Any]]:
+    """One rank's micro-batches of optimizer step ``k`` (0-based), in order.
+
+    Probes record ``step_index`` (the optimizer steps finished when the
+    micro-batch was collated): a token budget can make a step's micro-batch
+    count differ from ``ga``. Records without it (older probes) are taken
+    ``ga`` at a time. Extra micro-batches fetched after the last step are ignored.
+
+    Raises:
+        ValueError: records without ``step_index`` and fewer than ``ga`` left for step ``k``.
+    """
+    if rank_batches and all("step_index" in mb for mb in rank_batches):
+        return [mb for mb in rank_batches if mb["step_index"] == k]
+    window = list(rank_batches[k * ga:(k + 1) * ga])
+    if len(window) != ga:
+        raise ValueError(f"step {k + 1}: rank has {len(window)} of {ga} micro-batches")
+    return window
+
+
 def tokens_per_step(
     micro_batches_per_rank: Sequence[Sequence[Mapping[str, int]]], ga: int, num_steps: int
 ) -> List[Dict[str, int]]:
     """Sum each optimizer step's micro-batch token counts over its micro-batches and all ranks.
 
-    Every rank collates its micro-batches in order; step ``k`` (0-based) is
-    micro-batches ``k*ga .. (k+1)*ga - 1`` of every rank. Extra micro-batches
-    fetched after the last step are ignored.
+    Every rank collates its micro-batches in order; a step's micro-batches are
+    those of :func:`micro_batches_of_step`.
 
     Returns:
         ``num_steps`` dicts with the summed ``non_padding_tokens``,
         ``trainable_tokens`` (after the shift) and ``trainable_tokens_pre_shift``.
+
+    Raises:
+        ValueError: a rank has no micro-batch recorded for a step.
     """
     keys = ("non_padding_tokens", "trainable_tokens", "trainable_tokens_pre_shift")
     steps = []
     for k in range(num_steps):
         total = dict.fromkeys(keys, 0)
         for rank_batches in micro_batches_per_rank:
-            window = rank_batches[k * ga:(k + 1) * ga]
-            if len(window) != ga:
-                raise ValueError(f"step {k + 1}: rank has {len(window)} of {ga} micro-batches")
+            window = micro_batches_of_step(rank_batches, ga, k)
+            if not window:
+                raise ValueError(f"step {k + 1}: rank has no micro-batch")
             for mb in window:
                 for key in keys:
                     total[key] += int(mb[key])

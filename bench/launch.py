@@ -127,6 +127,8 @@ class Probe:
             "samples": len(batch), "non_padding_tokens": non_padding,
             "trainable_tokens_pre_shift": trainable_pre, "trainable_tokens": trainable_post,
             "padded_shape": list(tokens.shape) if isinstance(tokens, torch.Tensor) else None,
+            # the optimizer steps finished so far: the step this micro-batch belongs to (0-based)
+            "step_index": len(self.data["step_ends"]),
         })
 
     def timed(self, piece: str, fn: Callable) -> Callable:

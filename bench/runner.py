@@ -183,9 +183,11 @@ def read_run(case: Case, output_dir: Path, num_steps: int) -> Dict[str, Any]:
         steps.append(entry)
     for k, entry in enumerate(steps):
         # rows x padded length of the step's micro-batches, all ranks (None if a probe lacks shapes)
-        shapes = [mb.get("padded_shape") for p in probes for mb in p["micro_batches"][k * case.group.ga:(k + 1) * case.group.ga]]
+        shapes = [mb.get("padded_shape") for p in probes
+                  for mb in analysis.micro_batches_of_step(p["micro_batches"], case.group.ga, k)]
         entry["padded_tokens"] = sum(s[0] * s[1] for s in shapes) if all(shapes) else None
-    samples = sum(mb["samples"] for p in probes for mb in p["micro_batches"][:num_steps * case.group.ga])
+    samples = sum(mb["samples"] for p in probes for k in range(num_steps)
+                  for mb in analysis.micro_batches_of_step(p["micro_batches"], case.group.ga, k))
     non_padding = sum(s["non_padding_tokens"] for s in steps)
     accounting: Dict[str, Dict[str, float]] = {}
     for piece, calls in rank0.get("accounting", {}).items():

@@ -61,6 +61,13 @@ def test_step_periods_and_tokens_per_step():
     with pytest.raises(ValueError):
         analysis.tokens_per_step([rank1], ga=2, num_steps=3)
 
+    # With a token budget a step may have fewer micro-batches than GA: the probe's step_index decides.
+    budget = [dict(mb(10, 4, 4), step_index=0), dict(mb(20, 8, 9), step_index=1), dict(mb(30, 5, 5), step_index=1),
+              dict(mb(40, 6, 6), step_index=1), dict(mb(99, 9, 9), step_index=2)]
+    assert [s["non_padding_tokens"] for s in analysis.tokens_per_step([budget], ga=2, num_steps=2)] == [10, 90]
+    with pytest.raises(ValueError, match="step 3"):
+        analysis.tokens_per_step([budget[:4]], ga=2, num_steps=3)
+
 
 def test_summarize():
     s = analysis.summarize([2.0, 4.0, 3.0])

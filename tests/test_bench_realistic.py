@@ -7,8 +7,8 @@ import torch
 
 from bench import report
 from bench.__main__ import build_profile, main, parse_args
-from bench.cases import (HF_TRAINER, OURS_EACH, OURS_ONCE, OURS_UNGROUPED, PROFILES, UPSTREAM, Case, command,
-                         run_overrides)
+from bench.cases import (HF_TRAINER, OURS_BUDGET, OURS_EACH, OURS_ONCE, OURS_UNGROUPED, PROFILES, UPSTREAM, Case,
+                         command, run_overrides)
 from bench.launch import Probe
 
 OUT = Path("/tmp/out")
@@ -31,7 +31,7 @@ def test_realistic_matrix():
         *(f"full_1dev_ga4_b8_{v}" for v in (UPSTREAM, OURS_ONCE, OURS_EACH, OURS_UNGROUPED, HF_TRAINER)),
         *(f"lora_1dev_ga4_b8_{v}" for v in (UPSTREAM, OURS_ONCE, OURS_EACH, OURS_UNGROUPED)),
         *(f"full_2proc_ga4_b4_{v}" for v in (UPSTREAM, OURS_ONCE, OURS_UNGROUPED)),
-        "full_1dev_ga4_b1_ours_once", "full_1dev_ga4_b1_hf_trainer",
+        "full_1dev_ga4_b1_ours_once", "full_1dev_ga4_b1_ours_budget", "full_1dev_ga4_b1_hf_trainer",
     }
 
 
@@ -54,6 +54,11 @@ def test_variant_overrides():
     assert _value(up, "batch_size") == "4" and _value(up, "group_by_length") is None
     b1 = run_overrides(*_case("full_1dev_ga4_b1", OURS_ONCE), OUT)
     assert _value(b1, "batch_size") == "1" and _value(b1, "tokenizer.max_seq_len") == "256"
+    assert _value(b1, "max_tokens_per_micro_batch") is None
+    budget = run_overrides(*_case("full_1dev_ga4_b1", OURS_BUDGET), OUT)
+    # the budget holds the group's 4 samples of at most 256 tokens: the step is one micro-batch
+    assert int(_value(budget, "max_tokens_per_micro_batch")) == 4 * int(_value(budget, "tokenizer.max_seq_len"))
+    assert _value(budget, "backward_once_per_step") == "true" and _value(budget, "batch_size") == "1"
 
 
 def test_hf_trainer_command():
@@ -77,6 +82,7 @@ def test_dry_run_lists_every_realistic_case(capsys):
     for case in PROFILES["realistic"].cases():
         assert f"/{case.name}/probe.json" in out
     assert out.count("bench.hf_trainer") == 2 and out.count("--nproc_per_node=2") == 3
+    assert out.count("max_tokens_per_micro_batch=1024") == 1
 
 
 def test_probe_counts_labels_after_the_shift(tmp_path):
@@ -111,6 +117,21 @@ def test_realistic_targets_and_padding():
     assert cases["g_ours_once"]["summary"]["padding_fraction"]["median"] == 0.5
     targets = report.evaluate_realistic_targets(
         cases, {"g": {"nproc": 1, "ga": 4, "tag": "b8", "comparisons": comps}})
-    met = {t["target"].split(":")[0].split(" (")[0]: t["met"] for t in targets}
-    assert list(met.values()) == [True, False, False, True]  # speed, HF, memory (ours_each 2.5 > 2), losses
+    met = [t["met"] for t in targets]
+    # speed, HF (defaults), HF (best of ours: only the defaults here), memory (ours_each 2.5 > 2), losses
+    assert met == [True, False, False, False, True]
     assert "**not met**" in report.realistic_targets_table(targets)
+
+    # a group that also runs the token budget: the best of ours is it, and its losses are checked
+    runs[OURS_BUDGET] = [_run([2.0, 1.0000012], 300, 1.0)]
+    comps = report.realistic_comparisons(runs, skip_steps=1)
+    assert abs(comps["vs_default"][OURS_BUDGET]["max_rel_diff_loss"] - 2e-7) < 1e-9
+    cases["g_ours_budget"] = {"group": "g", "variant": OURS_BUDGET, "kind": "full", "nproc": 1, "ga": 4,
+                              "summary": report.summarize_case(runs[OURS_BUDGET], 1, lambda n: 1.0, None)}
+    targets = report.evaluate_realistic_targets(
+        cases, {"g": {"nproc": 1, "ga": 4, "tag": "b1", "comparisons": comps}})
+    by_text = {t["target"]: t for t in targets}
+    (best,) = [t for text, t in by_text.items() if text.startswith("ours with grouping and token budgets")]
+    assert best["met"] and best["values"] == [{"group": "g", "variant": OURS_BUDGET, "ratio": 1.2}]
+    (budget,) = [t for text, t in by_text.items() if text.startswith("token-budget losses")]
+    assert budget["met"]
