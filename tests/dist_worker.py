@@ -33,6 +33,7 @@ with ``batch_size`` samples per micro-batch per rank (and optionally
 on the same initial weights, and saves what it measured.
 """
 
+import faulthandler
 import json
 import sys
 from types import SimpleNamespace
@@ -57,6 +58,11 @@ CPU = torch.device("cpu")
 EVAL_EMBEDDING_STD = 0.3
 ARCH = dict(vocab_size=VOCAB, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=32,
             intermediate_dim=64, max_seq_len=128)
+
+
+# A native crash prints every thread's Python stack (rank 0 of this launch once died of
+# SIGSEGV under a loaded machine, with nothing to show where).
+faulthandler.enable()
 
 
 def _qwen2(lora: bool) -> torch.nn.Module:

@@ -14,6 +14,7 @@ The process group is kept between runs (the recipes' cleanup would destroy
 it), so one launch serves every job.
 """
 
+import faulthandler
 import json
 import sys
 from pathlib import Path
@@ -24,6 +25,11 @@ import resume_jobs
 from torchtune_ext import distributed
 from torchtune_ext.config import ConfigError
 from torchtune_ext.run_lock import OutputDirLock, check_not_in_use
+
+
+# A native crash prints every thread's Python stack (rank 0 of this launch once died of
+# SIGSEGV under a loaded machine, with nothing to show where).
+faulthandler.enable()
 
 
 def refused(out: Path) -> list:
