@@ -10,6 +10,7 @@ OURS_ONCE = "ours_once"
 OURS_EACH = "ours_each"
 OURS_UNGROUPED = "ours_ungrouped"
 OURS_BUDGET = "ours_budget"
+OURS_PACKED = "ours_packed"
 HF_TRAINER = "hf_trainer"
 VARIANTS = (UPSTREAM, OURS_ONCE, OURS_EACH)
 
@@ -19,6 +20,7 @@ VARIANT_LABELS = {
     OURS_EACH: "ours, backward_once_per_step=false",
     OURS_UNGROUPED: "ours, backward once per step, group_by_length=false",
     OURS_BUDGET: "ours, backward once per step, max_tokens_per_micro_batch=1024",
+    OURS_PACKED: "ours, backward once per step, max_tokens_per_micro_batch=1024, pack_micro_batches=true",
     HF_TRAINER: "Hugging Face Trainer (transformers), token-normalized loss",
 }
 
@@ -31,6 +33,8 @@ VARIANT_OVERRIDES: Dict[str, Tuple[str, ...]] = {
     # At batch 1 x GA 4 x 256 tokens: the step's 4 samples in one micro-batch of at
     # most 1024 padded positions, the memory bound of batch 4 x 256.
     OURS_BUDGET: ("backward_once_per_step=true", "max_tokens_per_micro_batch=1024"),
+    # the same samples concatenated into one row of at most 1024 tokens: no padding
+    OURS_PACKED: ("backward_once_per_step=true", "max_tokens_per_micro_batch=1024", "pack_micro_batches=true"),
 }
 
 # (implementation, kind, distributed) -> (recipe, config). Ours are files run
@@ -181,7 +185,7 @@ REALISTIC_GROUPS = (
     Group("full", 2, 4, (UPSTREAM, OURS_ONCE, OURS_UNGROUPED), batch_size=4, max_seq_len=512, tag="b4"),
     # the HF Trainer at the benchmark's usual batch 1 (there grouping changes nothing;
     # a token budget lets the step's samples share a micro-batch)
-    Group("full", 1, 4, (OURS_ONCE, OURS_BUDGET, HF_TRAINER), batch_size=1, max_seq_len=256, tag="b1"),
+    Group("full", 1, 4, (OURS_ONCE, OURS_BUDGET, OURS_PACKED, HF_TRAINER), batch_size=1, max_seq_len=256, tag="b1"),
 )
 PROFILES["realistic"] = Profile(
     name="realistic", groups=REALISTIC_GROUPS, batch_size=8, max_seq_len=512,

@@ -186,6 +186,15 @@ def _install_ours(probe: Probe) -> None:
 
     if hasattr(data, "padded_collate_sft"):  # bound at import time
         data.padded_collate_sft = sys.modules["torchtune.data"].padded_collate_sft
+    as_pack = data.collate_as_pack
+
+    @functools.wraps(as_pack)
+    def collate_as_pack(batch):  # pack_micro_batches: looked up by build_step_loader at run time
+        collated = as_pack(batch)
+        probe.micro_batch(batch, collated)
+        return collated
+
+    data.collate_as_pack = collate_as_pack
     original_log = metrics.MetricLogger.log
 
     def log(self, record):

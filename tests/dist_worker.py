@@ -16,6 +16,7 @@ A case is a dict with ``name``, ``batch_size``, ``grad_accum``, ``once``
 (backward_once_per_step), ``num_samples``, ``model`` ("full" or "lora") and
 optionally ``clip`` (max grad norm), ``max_steps``, ``cpu_offload``,
 ``grouped`` (group_by_length), ``budget`` (max_tokens_per_micro_batch),
+``pack`` (pack_micro_batches: the step's samples in rows of at most ``budget`` tokens),
 ``packed`` (the same samples packed into 64-token rows), ``logits`` (the model
 returns logits instead of the loss applying the output projection, as the
 recipes do), ``guard_veto_rank`` (a ``MemoryGuard`` whose available
@@ -46,7 +47,7 @@ from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
 from helpers import IGNORE, VOCAB
 from torchtune_ext import distributed
-from torchtune_ext.data import StepLoader, build_dataset, make_collate
+from torchtune_ext.data import StepLoader, build_dataset, collate_as_pack, make_collate
 from torchtune_ext.evaluate import build_eval_loader, evaluate
 from torchtune_ext.loss import SummedCrossEntropyLoss
 from torchtune_ext.memory import MemoryGuard
@@ -144,10 +145,12 @@ def run_case(case: dict, rank: int, world_size: int) -> dict:
     dataset = OmegaConf.create({"_component_": "helpers.synthetic_sft_dataset", "num_samples": case["num_samples"],
                                 "packed": case.get("packed", False)})
     samples, packed = build_dataset(dataset, SimpleNamespace(pad_id=0))
-    loader = StepLoader(samples, make_collate(packed, 0, IGNORE), batch_size=case["batch_size"],
+    collate = collate_as_pack if case.get("pack") else make_collate(packed, 0, IGNORE)
+    loader = StepLoader(samples, collate, batch_size=case["batch_size"],
                         gradient_accumulation_steps=case["grad_accum"], seed=5, ignore_index=IGNORE,
                         dp_rank=rank, dp_world_size=world_size, group_by_length=case.get("grouped", False),
-                        max_tokens_per_micro_batch=case.get("budget"), max_steps_per_epoch=case.get("max_steps"))
+                        max_tokens_per_micro_batch=case.get("budget"), pack=case.get("pack", False),
+                        max_steps_per_epoch=case.get("max_steps"))
     params = [p for p in model.parameters() if p.requires_grad]
     if case.get("optim_in_bwd"):
         optimizer = OptimizerInBackward(params, lambda ps: torch.optim.SGD(ps, lr=0.5))

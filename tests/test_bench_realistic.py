@@ -7,8 +7,8 @@ import torch
 
 from bench import report
 from bench.__main__ import build_profile, main, parse_args
-from bench.cases import (HF_TRAINER, OURS_BUDGET, OURS_EACH, OURS_ONCE, OURS_UNGROUPED, PROFILES, UPSTREAM, Case,
-                         command, run_overrides)
+from bench.cases import (HF_TRAINER, OURS_BUDGET, OURS_EACH, OURS_ONCE, OURS_PACKED, OURS_UNGROUPED, PROFILES,
+                         UPSTREAM, Case, command, run_overrides)
 from bench.launch import Probe
 
 OUT = Path("/tmp/out")
@@ -31,7 +31,8 @@ def test_realistic_matrix():
         *(f"full_1dev_ga4_b8_{v}" for v in (UPSTREAM, OURS_ONCE, OURS_EACH, OURS_UNGROUPED, HF_TRAINER)),
         *(f"lora_1dev_ga4_b8_{v}" for v in (UPSTREAM, OURS_ONCE, OURS_EACH, OURS_UNGROUPED)),
         *(f"full_2proc_ga4_b4_{v}" for v in (UPSTREAM, OURS_ONCE, OURS_UNGROUPED)),
-        "full_1dev_ga4_b1_ours_once", "full_1dev_ga4_b1_ours_budget", "full_1dev_ga4_b1_hf_trainer",
+        "full_1dev_ga4_b1_ours_once", "full_1dev_ga4_b1_ours_budget", "full_1dev_ga4_b1_ours_packed",
+        "full_1dev_ga4_b1_hf_trainer",
     }
 
 
@@ -59,6 +60,9 @@ def test_variant_overrides():
     # the budget holds the group's 4 samples of at most 256 tokens: the step is one micro-batch
     assert int(_value(budget, "max_tokens_per_micro_batch")) == 4 * int(_value(budget, "tokenizer.max_seq_len"))
     assert _value(budget, "backward_once_per_step") == "true" and _value(budget, "batch_size") == "1"
+    packed = run_overrides(*_case("full_1dev_ga4_b1", OURS_PACKED), OUT)
+    assert _value(packed, "pack_micro_batches") == "true"
+    assert _value(packed, "max_tokens_per_micro_batch") == _value(budget, "max_tokens_per_micro_batch")
 
 
 def test_hf_trainer_command():
@@ -82,7 +86,7 @@ def test_dry_run_lists_every_realistic_case(capsys):
     for case in PROFILES["realistic"].cases():
         assert f"/{case.name}/probe.json" in out
     assert out.count("bench.hf_trainer") == 2 and out.count("--nproc_per_node=2") == 3
-    assert out.count("max_tokens_per_micro_batch=1024") == 1
+    assert out.count("max_tokens_per_micro_batch=1024") == 2 and out.count("pack_micro_batches=true") == 1
 
 
 def test_probe_counts_labels_after_the_shift(tmp_path):
@@ -133,5 +137,5 @@ def test_realistic_targets_and_padding():
     by_text = {t["target"]: t for t in targets}
     (best,) = [t for text, t in by_text.items() if text.startswith("ours with grouping and token budgets")]
     assert best["met"] and best["values"] == [{"group": "g", "variant": OURS_BUDGET, "ratio": 1.2}]
-    (budget,) = [t for text, t in by_text.items() if text.startswith("token-budget losses")]
+    (budget,) = [t for text, t in by_text.items() if text.startswith("token-budget and packed losses")]
     assert budget["met"]

@@ -161,3 +161,16 @@ def test_config_for_evaluation_needs_no_training_keys(cfg, tmp_path):
     assert out.batch_size_val == out.batch_size
     with pytest.raises(ConfigError, match="'dataset_val'.*required to evaluate"):
         validate(cfg, evaluate_on="dataset_val")
+
+
+@pytest.mark.parametrize("change,message", [
+    ({}, "needs max_tokens_per_micro_batch"),
+    ({"max_tokens_per_micro_batch": 4096, "dataset": {"packed": True}}, "packed already"),
+    ({"max_tokens_per_micro_batch": 4096, "collate_fn": "torchtune.data.padded_collate"}, "collate_fn"),
+])
+def test_pack_micro_batches_needs_a_budget_and_unpacked_data(cfg, change, message):
+    bad = OmegaConf.merge(cfg, {"pack_micro_batches": True}, change)
+    with pytest.raises(ConfigError, match=f"pack_micro_batches.*{message}"):
+        validate(bad)
+    assert validate(OmegaConf.merge(cfg, {"pack_micro_batches": True, "max_tokens_per_micro_batch": 4096})
+                    ).pack_micro_batches is True

@@ -52,6 +52,20 @@ def test_every_sample_once_and_same_slot_count(num_samples, world, batch_size, m
         assert all(len(mb) <= batch_size for rank in plan for mb in rank)
 
 
+@pytest.mark.parametrize("num_samples,world", [(1, 1), (5, 2), (13, 3), (32, 2)])
+def test_packed_plan_fills_rows_up_to_the_budget(num_samples, world):
+    lengths = [(7 * i) % 23 + 2 for i in range(num_samples)]
+    plan = plan_step(num_samples, lengths, dp_world_size=world, batch_size=1, max_tokens_per_micro_batch=40,
+                     pack=True)
+    assert sorted(flat(plan)) == list(range(num_samples))
+    assert len({len(rank) for rank in plan}) == 1
+    assert all(sum(lengths[i] for i in mb) <= 40 for rank in plan for mb in rank)
+    padded = plan_step(num_samples, lengths, dp_world_size=world, batch_size=1, max_tokens_per_micro_batch=40)
+    assert max(len(rank) for rank in plan) <= max(len(rank) for rank in padded)
+    with pytest.raises(ValueError, match="pack needs max_tokens_per_micro_batch"):
+        plan_step(num_samples, lengths, batch_size=1, pack=True)
+
+
 def padded_positions(plan, lengths):
     return sum(len(mb) * max(lengths[i] for i in mb) for rank in plan for mb in rank if mb)
 

@@ -48,6 +48,8 @@ CASES += [case(2, 1, 2, False, cpu_offload=True)]
 CASES += [case(2, 1, 2, True, grouped=True), case(2, 2, 1, False, grouped=True),
           case(1, 1, 4, False, grouped=True), case(2, 1, 2, True, budget=48), case(2, 1, 2, False, budget=48),
           case(1, 4, 1, False, num_samples=11, budget=40), case(2, 1, 2, False, num_samples=11, grouped=True)]
+# pack_micro_batches: each rank's share of the step concatenated into rows of at most 48 tokens.
+CASES += [case(2, 1, 2, True, budget=48, pack=True), case(2, 1, 2, False, num_samples=11, budget=40, pack=True)]
 # The model returning logits (the loss not applying the output projection), and a memory
 # guard that says "does not fit" on one rank only: all ranks fall back together.
 CASES += [case(2, 1, 2, True, logits=True), case(2, 1, 2, False, logits=True),

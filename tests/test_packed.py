@@ -118,3 +118,42 @@ def test_packs_arranged_by_the_step_loader_equal_unpacked(arrangement):
     assert got.num_tokens == ref.num_tokens
     assert abs(got.loss - ref.loss) <= TOL * ref.loss
     assert abs(got.grad_norm - ref.grad_norm) <= TOL * ref.grad_norm
+
+
+@pytest.mark.parametrize("data", sorted(DOCUMENTS))
+@pytest.mark.parametrize("once", [True, False], ids=["once_per_step", "per_micro_batch"])
+@pytest.mark.parametrize("kind", ["full", "lora"])
+def test_pack_micro_batches_equals_the_padded_step(data, once, kind):
+    """``pack_micro_batches``: the step's unpacked samples packed into rows of at most 80 tokens by the
+    step loader train exactly as one padded batch of them, with no padding at all."""
+    from torchtune_ext.data import StepLoader, collate_as_pack
+
+    samples = DOCUMENTS[data]()
+    base = tiny_model() if kind == "full" else tiny_lora_model()
+    loader = StepLoader(samples, collate_as_pack, batch_size=len(samples), shuffle=False, ignore_index=IGNORE,
+                        max_tokens_per_micro_batch=80, pack=True)
+    (step,) = loader.epoch(0)
+    rows = [mb["tokens"].shape for mb in step.micro_batches]
+    assert all(r[0] == 1 and r[1] <= 80 for r in rows) and 1 < len(rows) < len(samples)
+    assert step.num_padded_positions == step.num_real_tokens == sum(len(s["tokens"]) for s in samples)
+    ref, ref_params = run_step(clone(base), [collate(samples)], once)
+    got, params = run_step(clone(base), step.micro_batches, once)
+    assert got.num_tokens == ref.num_tokens == sum(sum(x != IGNORE for x in s["labels"][1:]) for s in samples)
+    assert abs(got.loss - ref.loss) <= TOL * ref.loss
+    assert abs(got.grad_norm - ref.grad_norm) <= TOL * ref.grad_norm
+    for key in ref_params:
+        assert rel_diff(params[key], ref_params[key]) <= TOL, key
+
+
+def test_collate_as_pack_restarts_positions_and_stops_the_shift_at_each_sample():
+    from torchtune_ext.data import collate_as_pack
+    from torchtune_ext.step import prepare_micro_batch
+
+    samples = [{"tokens": [1, 2, 3], "labels": [IGNORE, 2, 3]}, {"tokens": [4, 5], "labels": [4, 5]}]
+    batch = collate_as_pack(samples)
+    assert batch["tokens"].tolist() == [[1, 2, 3, 4, 5]]
+    assert batch["input_pos"].tolist() == [[0, 1, 2, 0, 1]]
+    assert batch["mask"][0, 3, :3].sum() == 0  # the second sample sees nothing of the first
+    _, labels = prepare_micro_batch(batch, CPU, IGNORE)
+    # the first sample's last token does not predict the second sample's first one
+    assert labels.tolist() == [[2, 3, IGNORE, 5, IGNORE]]

@@ -268,6 +268,9 @@ COMMON_KEYS: Dict[str, Key] = {
     # the set of samples per optimizer step, and so the loss, does not depend on it.
     "group_by_length": Key(True, _boolean),
     "max_tokens_per_micro_batch": Key(None, _optional_positive_int),
+    # true: a micro-batch is one row of the step's samples concatenated, up to
+    # max_tokens_per_micro_batch tokens, attention kept inside each sample (no padding).
+    "pack_micro_batches": Key(False, _boolean),
     # Validation (torchtune_ext.evaluate), torchtune's keys: on when run_val_every_n_steps
     # (or run_val_at_start) asks for it; then also once at the end of training. The
     # validation loss does not depend on batch_size_val or on the number of ranks.
@@ -605,6 +608,17 @@ def _check_combinations(cfg: DictConfig, training: bool = True) -> None:
     if budget is not None and max_seq_len is not None and budget < max_seq_len:
         raise ConfigError("max_tokens_per_micro_batch", f"{budget} is smaller than tokenizer.max_seq_len={max_seq_len}: "
                           "a sample of that length would not fit; raise the budget or lower tokenizer.max_seq_len")
+    if cfg.pack_micro_batches:
+        if budget is None:
+            raise ConfigError("pack_micro_batches", "needs max_tokens_per_micro_batch, the length of a packed "
+                              "row (e.g. 4 x tokenizer.max_seq_len)")
+        datasets = cfg.dataset if isinstance(cfg.dataset, (list, ListConfig)) else [cfg.dataset]
+        if any(bool(d.get("packed", False)) for d in datasets):
+            raise ConfigError("pack_micro_batches", "the dataset is packed already (dataset.packed=true); "
+                              "set one of the two to false")
+        if cfg.collate_fn != COMMON_KEYS["collate_fn"].default:
+            raise ConfigError("pack_micro_batches", f"packs the step's samples itself and cannot use "
+                              f"collate_fn={cfg.collate_fn}; drop one of the two keys")
     if cfg.dtype == "bf16" and _on_cuda(cfg):
         import torch
 

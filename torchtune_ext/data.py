@@ -83,6 +83,30 @@ def collate_packed(batch: List[Sample]) -> Dict[str, torch.Tensor]:
     return out
 
 
+def collate_as_pack(samples: List[Sample]) -> Dict[str, torch.Tensor]:
+    """Unpacked samples concatenated into one row, collated as a pack (``pack_micro_batches``).
+
+    Each sample becomes a document of the pack: positions restart at 0, the
+    block-causal ``mask`` keeps attention inside it and ``document_ids`` stop
+    the label shift at its end, so every sample is computed as it would be
+    in a row of its own, with no padding.
+
+    Args:
+        samples: dicts with ``tokens`` and ``labels`` (lists or 1-D tensors, same length).
+
+    Returns:
+        :func:`collate_packed` of the one pack: ``[1, sum of lengths]`` tensors and ``mask``.
+    """
+    lengths = [len(s["tokens"]) for s in samples]
+    pack = {
+        "tokens": torch.cat([torch.as_tensor(s["tokens"], dtype=torch.long) for s in samples]),
+        "labels": torch.cat([torch.as_tensor(s["labels"], dtype=torch.long) for s in samples]),
+        "input_pos": torch.cat([torch.arange(n) for n in lengths]),
+        "seq_lens": torch.tensor(lengths, dtype=torch.long),
+    }
+    return collate_packed([pack])
+
+
 def build_dataset(cfg_dataset: Any, tokenizer: Any, key: str = "dataset", *,
                   ignore_index: int = CROSS_ENTROPY_IGNORE_INDEX, data_errors: str = "warn") -> Tuple[Dataset, bool]:
     """Instantiate a dataset config (one dataset or a list, concatenated) and check every sample once.
@@ -149,6 +173,7 @@ def plan_step(
     batch_size: int,
     group_by_length: bool = False,
     max_tokens_per_micro_batch: Optional[int] = None,
+    pack: bool = False,
 ) -> StepPlan:
     """Arrange one optimizer step's samples into micro-batches on each rank.
 
@@ -171,6 +196,10 @@ def plan_step(
       ``batch_size`` no longer bounds a micro-batch. Micro-batches are
       ordered largest first on every rank, so slot ``k`` costs about the
       same everywhere.
+    * ``pack`` (with a budget): a micro-batch is one row of concatenated
+      samples (:func:`collate_as_pack`), so its cost is the sum of its
+      lengths, not samples x longest: each rank fills its micro-batches first
+      fit, longest first, while that sum stays ``<= B``.
 
     Args:
         num_samples: samples in the step, >= 1.
@@ -180,14 +209,17 @@ def plan_step(
         batch_size: samples per micro-batch per rank.
         group_by_length: see above.
         max_tokens_per_micro_batch: see above; None: no budget.
+        pack: see above; needs ``max_tokens_per_micro_batch``.
 
     Returns:
         ``plan[rank][micro_batch]``: lists of positions.
 
     Raises:
-        ValueError: ``lengths`` missing where needed, or a sample longer than
-            ``max_tokens_per_micro_batch``.
+        ValueError: ``lengths`` missing where needed, a sample longer than
+            ``max_tokens_per_micro_batch``, or ``pack`` without a budget.
     """
+    if pack and not max_tokens_per_micro_batch:
+        raise ValueError("plan_step: pack needs max_tokens_per_micro_batch (the length of a packed row)")
     world = dp_world_size
     if (group_by_length or max_tokens_per_micro_batch) and (lengths is None or len(lengths) != num_samples):
         raise ValueError("plan_step: grouping and token budgets need one length per sample")
@@ -208,12 +240,24 @@ def plan_step(
         plan = []
         for share in shares:
             micro_batches: List[List[int]] = []
-            for i in share:  # longest first: the first sample of a micro-batch sets its padded length
-                if micro_batches and (len(micro_batches[-1]) + 1) * lengths[micro_batches[-1][0]] <= budget:
-                    micro_batches[-1].append(i)
-                else:
-                    micro_batches.append([i])
-            micro_batches.sort(key=lambda mb: (-len(mb) * lengths[mb[0]], mb[0]))
+            if pack:
+                used: List[int] = []
+                for i in share:  # first fit, longest first
+                    fit = next((k for k, n in enumerate(used) if n + lengths[i] <= budget), None)
+                    if fit is None:
+                        micro_batches.append([i])
+                        used.append(lengths[i])
+                    else:
+                        micro_batches[fit].append(i)
+                        used[fit] += lengths[i]
+                micro_batches.sort(key=lambda mb: (-sum(lengths[i] for i in mb), mb[0]))
+            else:
+                for i in share:  # longest first: the first sample of a micro-batch sets its padded length
+                    if micro_batches and (len(micro_batches[-1]) + 1) * lengths[micro_batches[-1][0]] <= budget:
+                        micro_batches[-1].append(i)
+                    else:
+                        micro_batches.append([i])
+                micro_batches.sort(key=lambda mb: (-len(mb) * lengths[mb[0]], mb[0]))
             plan.append(micro_batches)
     elif group_by_length:
         slot = world * batch_size
@@ -293,7 +337,8 @@ class StepLoader:
         seed, shuffle: the epoch order (:func:`epoch_order`).
         ignore_index: label value of masked positions (for stand-ins).
         dp_rank, dp_world_size: this rank and the number of data-parallel ranks.
-        group_by_length, max_tokens_per_micro_batch: see :func:`plan_step`.
+        group_by_length, max_tokens_per_micro_batch, pack: see :func:`plan_step`;
+            with ``pack``, ``collate_fn`` should be :func:`collate_as_pack`.
         max_steps_per_epoch: stop an epoch after this many optimizer steps.
         require_sample_per_rank: refuse a dataset with fewer samples than
             ranks (training); False lets such ranks run stand-ins only
@@ -317,6 +362,7 @@ class StepLoader:
         dp_world_size: int = 1,
         group_by_length: bool = False,
         max_tokens_per_micro_batch: Optional[int] = None,
+        pack: bool = False,
         max_steps_per_epoch: Optional[int] = None,
         require_sample_per_rank: bool = True,
     ):
@@ -329,6 +375,7 @@ class StepLoader:
         self.seed, self.shuffle, self.ignore_index = seed, shuffle, ignore_index
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
         self.group_by_length, self.max_tokens_per_micro_batch = group_by_length, max_tokens_per_micro_batch
+        self.pack = pack
         self.max_steps_per_epoch = max_steps_per_epoch
 
     @property
@@ -377,7 +424,7 @@ class StepLoader:
         try:
             plan = plan_step(len(indices), lengths, dp_world_size=self.dp_world_size, batch_size=self.batch_size,
                              group_by_length=self.group_by_length,
-                             max_tokens_per_micro_batch=self.max_tokens_per_micro_batch)
+                             max_tokens_per_micro_batch=self.max_tokens_per_micro_batch, pack=self.pack)
         except ValueError as err:
             raise ConfigError("max_tokens_per_micro_batch", f"{err}; raise it, or lower tokenizer.max_seq_len "
                               "so that samples are truncated to fit") from None
@@ -406,19 +453,22 @@ def build_step_loader(cfg: Any, tokenizer: Any, *, seed: int, ignore_index: int,
     """The training :class:`StepLoader` of a validated recipe config.
 
     Reads ``dataset``, ``data_errors``, ``collate_fn``, ``batch_size``, ``gradient_accumulation_steps``,
-    ``shuffle``, ``group_by_length``, ``max_tokens_per_micro_batch`` and
+    ``shuffle``, ``group_by_length``, ``max_tokens_per_micro_batch``, ``pack_micro_batches`` and
     ``max_steps_per_epoch``.
 
     Raises:
         ConfigError: as :func:`build_dataset` and :class:`StepLoader`.
     """
     dataset, packed = build_dataset(cfg.dataset, tokenizer, ignore_index=ignore_index, data_errors=cfg.data_errors)
+    pack = bool(cfg.get("pack_micro_batches", False))  # its combinations are checked by config.validate
+    collate = collate_as_pack if pack else make_collate(
+        packed, tokenizer.pad_id, ignore_index,
+        _get_component_from_path(cfg.get("collate_fn") or "torchtune.data.padded_collate_sft"))
     return StepLoader(
-        dataset, make_collate(packed, tokenizer.pad_id, ignore_index,
-                              _get_component_from_path(cfg.get("collate_fn") or "torchtune.data.padded_collate_sft")),
+        dataset, collate,
         batch_size=cfg.batch_size,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps, seed=seed, shuffle=cfg.shuffle,
         ignore_index=ignore_index, dp_rank=dp_rank, dp_world_size=dp_world_size,
         group_by_length=cfg.group_by_length, max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch,
-        max_steps_per_epoch=cfg.max_steps_per_epoch,
+        pack=pack, max_steps_per_epoch=cfg.max_steps_per_epoch,
     )
