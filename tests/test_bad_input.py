@@ -80,6 +80,16 @@ def test_a_good_config_passes(tiny_cfg):
     check_components(tiny_cfg(), CPU)
 
 
+def test_packed_rows_longer_than_the_model_takes(tiny_cfg):
+    """pack_micro_batches builds rows up to the budget: one longer than the model's max_seq_len is refused."""
+    cfg = tiny_cfg("pack_micro_batches=true", "max_tokens_per_micro_batch=4096", "model.max_seq_len=2048")
+    with pytest.raises(ConfigError, match="'max_tokens_per_micro_batch'.*4096 tokens per packed row.*"
+                                          "max_seq_len=2048; use at most 2048"):
+        check_components(cfg, CPU)
+    check_components(tiny_cfg("pack_micro_batches=true", "max_tokens_per_micro_batch=2048",
+                              "model.max_seq_len=2048"), CPU)
+
+
 def test_adapter_on_a_tied_output_projection(tiny_cfg):
     cfg = tiny_cfg()
     cfg.model = {"_component_": "torchtune_ext.models.lora_tiny_llama", "lora_attn_modules": ["q_proj"],

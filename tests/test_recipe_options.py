@@ -93,3 +93,17 @@ def test_mfu_and_padding_are_logged_every_step(run):
     for r in rows:
         assert 0 <= r["padding_fraction"] < 1 and r["tflops_per_device"] >= r["useful_tflops_per_device"] > 0
         assert r["mfu"] == pytest.approx(r["tflops_per_device"] / 0.001)
+
+
+def test_arrangements_of_a_step_train_alike(run):
+    """Ungrouped, grouped (the default), a token budget and packed rows: the same samples per step, the
+    same losses and token counts; packing leaves no padding."""
+    _, grouped = run("grouped")
+    _, ungrouped = run("ungrouped", "group_by_length=false")
+    _, budget = run("budget", "max_tokens_per_micro_batch=1024")
+    _, packed = run("packed", "max_tokens_per_micro_batch=1024", "pack_micro_batches=true")
+    for rows in (ungrouped, budget, packed):
+        assert losses(rows) == pytest.approx(losses(grouped), rel=1e-5)
+        assert [r["num_tokens"] for r in rows] == [r["num_tokens"] for r in grouped]
+    assert all(r["padding_fraction"] == 0 for r in packed)
+    assert any(r["padding_fraction"] > 0 for r in ungrouped)

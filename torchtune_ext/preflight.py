@@ -22,7 +22,7 @@ Every problem is a :class:`~torchtune_ext.config.ConfigError` naming the key.
 import difflib
 import importlib
 import inspect
-from typing import Any, Iterator, Tuple
+from typing import Any, Iterator, Optional, Tuple
 
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -128,11 +128,12 @@ def check_components(cfg: DictConfig, device: torch.device) -> None:
             raise ConfigError(f"{key}._component_", f"'{path}' cannot be imported: {err}") from None
         if callable(target):
             _check_arguments(key, target, node)
-    _check_model(cfg.model)
+    _check_model(cfg.model, cfg.get("max_tokens_per_micro_batch") if cfg.get("pack_micro_batches") else None)
     _check_optimizer(cfg, device)
 
 
-def _check_model(cfg_model: DictConfig) -> None:
+def _check_model(cfg_model: DictConfig, packed_row_tokens: Optional[int] = None) -> None:
+    """``packed_row_tokens``: the longest row ``pack_micro_batches`` may build (its budget)."""
     path = cfg_model._component_
     adapter_on_output = bool(cfg_model.get("apply_lora_to_output", False))
     tied = f"an adapter on the output projection is not possible: in {path} it is the token embedding " \
@@ -151,6 +152,12 @@ def _check_model(cfg_model: DictConfig) -> None:
             raise ConfigError("model.apply_lora_to_output", f"{path} does not support it ({_short(err)}); "
                               "set model.apply_lora_to_output=false") from None
         raise ConfigError("model", f"{path} cannot build this model: {_short(err)}") from None
+    limit = getattr(model, "max_seq_len", None)
+    if packed_row_tokens and isinstance(limit, int) and packed_row_tokens > limit:
+        # torchtune's decoder refuses longer inputs at the first forward
+        raise ConfigError("max_tokens_per_micro_batch", f"{packed_row_tokens} tokens per packed row "
+                          f"(pack_micro_batches=true) is more than the model's max_seq_len={limit}; "
+                          f"use at most {limit}")
     if adapter_on_output:
         from torchtune.modules import TiedLinear
 
