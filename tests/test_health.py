@@ -116,3 +116,9 @@ def test_loss_spike_nats_stops_a_diverging_run(tiny_run):
         losses[spike] = [r["loss"] for r in read_jsonl(f"{cfg.output_dir}/logs/metrics.jsonl")]
     assert len(losses[3.0]) == 7 and len(losses[None]) == 9
     assert losses[None][7] > losses[None][4] + 3  # the same divergence, not stopped
+
+
+def test_finish_summary_of_one_step():
+    health = StepHealth(start_step=2)
+    health.before_update(3, 2.0, 1.0, 10)
+    assert health.finish().startswith("Training finished: 1 optimizer step in this run (step 3), none skipped")

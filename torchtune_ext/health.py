@@ -243,8 +243,9 @@ class StepHealth:
         if done == 0:
             return f"Training finished: no optimizer step was left to run after step {self.start_step}"
         parts = [f"{len(v)} {k} (steps {_steps(v)})" for k, v in self.skipped.items() if v]
-        summary = (f"Training finished: {done} optimizer steps in this run (steps {self.start_step + 1}-"
-                   f"{self.last_step}), " + (f"skipped: {'; '.join(parts)}" if parts else "none skipped"))
+        which = (f"step {self.last_step}" if done == 1 else f"steps {self.start_step + 1}-{self.last_step}")
+        summary = (f"Training finished: {done} optimizer step{'s' if done > 1 else ''} in this run ({which}), "
+                   + (f"skipped: {'; '.join(parts)}" if parts else "none skipped"))
         return summary
 
     # --------------------------------------------------------------- helpers
