@@ -189,7 +189,7 @@ def _install_ours(probe: Probe) -> None:
     as_pack = data.collate_as_pack
 
     @functools.wraps(as_pack)
-    def collate_as_pack(batch):  # pack_micro_batches: looked up by build_step_loader at run time
+    def collate_as_pack(batch):  # pack_micro_batches: looked up by StepLoader.load_step at run time
         collated = as_pack(batch)
         probe.micro_batch(batch, collated)
         return collated

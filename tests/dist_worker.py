@@ -47,7 +47,7 @@ from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
 from helpers import IGNORE, VOCAB
 from torchtune_ext import distributed
-from torchtune_ext.data import StepLoader, build_dataset, collate_as_pack, make_collate
+from torchtune_ext.data import StepLoader, build_dataset, make_collate
 from torchtune_ext.evaluate import build_eval_loader, evaluate
 from torchtune_ext.loss import SummedCrossEntropyLoss
 from torchtune_ext.memory import MemoryGuard
@@ -145,8 +145,7 @@ def run_case(case: dict, rank: int, world_size: int) -> dict:
     dataset = OmegaConf.create({"_component_": "helpers.synthetic_sft_dataset", "num_samples": case["num_samples"],
                                 "packed": case.get("packed", False)})
     samples, packed = build_dataset(dataset, SimpleNamespace(pad_id=0))
-    collate = collate_as_pack if case.get("pack") else make_collate(packed, 0, IGNORE)
-    loader = StepLoader(samples, collate, batch_size=case["batch_size"],
+    loader = StepLoader(samples, make_collate(packed, 0, IGNORE), batch_size=case["batch_size"],
                         gradient_accumulation_steps=case["grad_accum"], seed=5, ignore_index=IGNORE,
                         dp_rank=rank, dp_world_size=world_size, group_by_length=case.get("grouped", False),
                         max_tokens_per_micro_batch=case.get("budget"), pack=case.get("pack", False),

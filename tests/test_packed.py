@@ -126,11 +126,11 @@ def test_packs_arranged_by_the_step_loader_equal_unpacked(arrangement):
 def test_pack_micro_batches_equals_the_padded_step(data, once, kind):
     """``pack_micro_batches``: the step's unpacked samples packed into rows of at most 80 tokens by the
     step loader train exactly as one padded batch of them, with no padding at all."""
-    from torchtune_ext.data import StepLoader, collate_as_pack
+    from torchtune_ext.data import StepLoader
 
     samples = DOCUMENTS[data]()
     base = tiny_model() if kind == "full" else tiny_lora_model()
-    loader = StepLoader(samples, collate_as_pack, batch_size=len(samples), shuffle=False, ignore_index=IGNORE,
+    loader = StepLoader(samples, collate, batch_size=len(samples), shuffle=False, ignore_index=IGNORE,
                         max_tokens_per_micro_batch=80, pack=True)
     (step,) = loader.epoch(0)
     rows = [mb["tokens"].shape for mb in step.micro_batches]

@@ -338,7 +338,8 @@ class StepLoader:
         ignore_index: label value of masked positions (for stand-ins).
         dp_rank, dp_world_size: this rank and the number of data-parallel ranks.
         group_by_length, max_tokens_per_micro_batch, pack: see :func:`plan_step`;
-            with ``pack``, ``collate_fn`` should be :func:`collate_as_pack`.
+            with ``pack``, micro-batches are collated by :func:`collate_as_pack`
+            instead of ``collate_fn``.
         max_steps_per_epoch: stop an epoch after this many optimizer steps.
         require_sample_per_rank: refuse a dataset with fewer samples than
             ranks (training); False lets such ranks run stand-ins only
@@ -439,7 +440,7 @@ class StepLoader:
                 known = sorted(cache) or [0]
                 shortest = min(known, key=lambda p: (len(sample(p)["tokens"]), p))
                 samples = [masked_copy(sample(shortest), self.ignore_index)]
-            batch = self.collate_fn(samples)
+            batch = collate_as_pack(samples) if self.pack else self.collate_fn(samples)
             rows, length = batch["tokens"].shape
             padded += rows * length
             padded_squares += rows * length * length
@@ -460,15 +461,13 @@ def build_step_loader(cfg: Any, tokenizer: Any, *, seed: int, ignore_index: int,
         ConfigError: as :func:`build_dataset` and :class:`StepLoader`.
     """
     dataset, packed = build_dataset(cfg.dataset, tokenizer, ignore_index=ignore_index, data_errors=cfg.data_errors)
-    pack = bool(cfg.get("pack_micro_batches", False))  # its combinations are checked by config.validate
-    collate = collate_as_pack if pack else make_collate(
-        packed, tokenizer.pad_id, ignore_index,
-        _get_component_from_path(cfg.get("collate_fn") or "torchtune.data.padded_collate_sft"))
     return StepLoader(
-        dataset, collate,
+        dataset, make_collate(packed, tokenizer.pad_id, ignore_index,
+                              _get_component_from_path(cfg.get("collate_fn") or "torchtune.data.padded_collate_sft")),
         batch_size=cfg.batch_size,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps, seed=seed, shuffle=cfg.shuffle,
         ignore_index=ignore_index, dp_rank=dp_rank, dp_world_size=dp_world_size,
         group_by_length=cfg.group_by_length, max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch,
-        pack=pack, max_steps_per_epoch=cfg.max_steps_per_epoch,
+        # its combinations with packed data and collate_fn are checked by config.validate
+        pack=bool(cfg.get("pack_micro_batches", False)), max_steps_per_epoch=cfg.max_steps_per_epoch,
     )
