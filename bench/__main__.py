@@ -64,6 +64,7 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, help="micro-batch size per process (every group)")
     parser.add_argument("--max-seq-len", type=int, help="tokenizer.max_seq_len (every group)")
     parser.add_argument("--groups", help="comma-separated group names to run (e.g. full_1dev_ga4,full_2proc_ga4)")
+    parser.add_argument("--variants", help="comma-separated variants to run in each group (e.g. upstream,ours_once)")
     parser.add_argument("--no-warmup", action="store_true", help="skip the discarded warm-up runs")
     parser.add_argument("--results-dir", type=Path, default=Path("bench/results"))
     parser.add_argument("--work-dir", type=Path, default=Path("outputs/bench"), help="run output folders")
@@ -98,6 +99,14 @@ def build_profile(args: argparse.Namespace) -> Profile:
             raise SystemExit(f"unknown group(s) {sorted(unknown)}; this profile has "
                              f"{[g.name for g in profile.groups]}")
         profile = with_overrides(profile, groups=tuple(g for g in profile.groups if g.name in wanted))
+    if args.variants:
+        wanted = args.variants.split(",")
+        known = {v for g in profile.groups for v in g.variants}
+        if set(wanted) - known:
+            raise SystemExit(f"unknown variant(s) {sorted(set(wanted) - known)}; these groups have {sorted(known)}")
+        profile = with_overrides(profile, groups=tuple(
+            dataclasses.replace(g, variants=tuple(v for v in g.variants if v in wanted))
+            for g in profile.groups if any(v in wanted for v in g.variants)))
     if profile.skip_steps >= profile.steps:
         raise SystemExit("--skip-steps must be smaller than --steps")
     return profile

@@ -127,8 +127,9 @@ class Probe:
             "samples": len(batch), "non_padding_tokens": non_padding,
             "trainable_tokens_pre_shift": trainable_pre, "trainable_tokens": trainable_post,
             "padded_shape": list(tokens.shape) if isinstance(tokens, torch.Tensor) else None,
-            # the optimizer steps finished so far: the step this micro-batch belongs to (0-based)
-            "step_index": len(self.data["step_ends"]),
+            # the optimizer steps finished so far: the step this micro-batch belongs to (0-based);
+            # counted by both hooks, since upstream's distributed recipes log (step_end) on rank 0 only
+            "step_index": max(len(self.data["step_ends"]), len(self.data["optimizer_steps"])),
         })
 
     def timed(self, piece: str, fn: Callable) -> Callable:

@@ -101,7 +101,8 @@ class LoRAFinetuneRecipeDistributed:
         self._model = self._setup_model(cfg.model, checkpoint[training.MODEL_KEY], checkpoint.get(training.ADAPTER_KEY))
         # Only the adapter: the step's grad_norm and clipping cover exactly what trains.
         self._optimizer = build_optimizer(cfg.optimizer, self._adapter_params.values(), cfg.optimizer_in_bwd)
-        self._memory_guard = MemoryGuard(self._model, self._device, self._optimizer, activation_dtype=self._dtype)
+        self._memory_guard = MemoryGuard(self._model, self._device, self._optimizer, activation_dtype=self._dtype,
+                                         limit=cfg.once_per_step_memory_limit)
         self._lr_scheduler = build_lr_scheduler(cfg.lr_scheduler, self._optimizer, total_steps)
         if resumed:
             restore_training(resumed, cfg, self._optimizer, self._lr_scheduler, dp_world_size=self._world_size,
@@ -192,6 +193,7 @@ class LoRAFinetuneRecipeDistributed:
                     self._model, self._optimizer, self._loss_fn, step_data.micro_batches, device=self._device,
                     backward_once_per_step=cfg.backward_once_per_step, clip_grad_norm=cfg.clip_grad_norm,
                     health=self._health, step=progress.step + 1, memory_guard=self._memory_guard,
+                    baseline=step_data.baseline,
                 )
                 if self._lr_scheduler is not None:
                     self._lr_scheduler.step()

@@ -3,12 +3,13 @@ baseline's command line and label count, and the report's targets. Fast: nothing
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from bench import report
 from bench.__main__ import build_profile, main, parse_args
-from bench.cases import (HF_TRAINER, OURS_BUDGET, OURS_EACH, OURS_ONCE, OURS_PACKED, OURS_UNGROUPED, PROFILES,
-                         UPSTREAM, Case, command, run_overrides)
+from bench.cases import (HF_TRAINER, OURS_BUDGET, OURS_EACH, OURS_ONCE, OURS_ONCE_DEVICE, OURS_PACKED, OURS_UNGROUPED,
+                         PROFILES, UPSTREAM, Case, command, run_overrides)
 from bench.launch import Probe
 
 OUT = Path("/tmp/out")
@@ -28,12 +29,22 @@ def _value(overrides, key):
 def test_realistic_matrix():
     names = {c.name for c in PROFILES["realistic"].cases()}
     assert names == {
-        *(f"full_1dev_ga4_b8_{v}" for v in (UPSTREAM, OURS_ONCE, OURS_EACH, OURS_UNGROUPED, HF_TRAINER)),
-        *(f"lora_1dev_ga4_b8_{v}" for v in (UPSTREAM, OURS_ONCE, OURS_EACH, OURS_UNGROUPED)),
-        *(f"full_2proc_ga4_b4_{v}" for v in (UPSTREAM, OURS_ONCE, OURS_UNGROUPED)),
+        *(f"full_1dev_ga4_b8_{v}" for v in (UPSTREAM, OURS_ONCE, OURS_EACH, OURS_UNGROUPED, OURS_ONCE_DEVICE,
+                                            HF_TRAINER)),
+        *(f"lora_1dev_ga4_b8_{v}" for v in (UPSTREAM, OURS_ONCE, OURS_EACH, OURS_UNGROUPED, OURS_ONCE_DEVICE)),
+        *(f"full_2proc_ga4_b4_{v}" for v in (UPSTREAM, OURS_ONCE, OURS_UNGROUPED, OURS_ONCE_DEVICE)),
         "full_1dev_ga4_b1_ours_once", "full_1dev_ga4_b1_ours_budget", "full_1dev_ga4_b1_ours_packed",
-        "full_1dev_ga4_b1_hf_trainer",
+        "full_1dev_ga4_b1_hf_trainer", "full_1dev_ga4_b1_ours_once_device",
     }
+
+
+def test_variants_option_runs_a_subset(capsys):
+    assert main(["--realistic", "--dry-run", "--variants", "upstream,ours_once_device"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("probe.json") == 7 and "_ours_once/" not in out and "bench.hf_trainer" not in out
+    assert out.count("once_per_step_memory_limit=device") == 4
+    with pytest.raises(SystemExit, match="unknown variant"):
+        main(["--realistic", "--dry-run", "--variants", "ours_fast"])
 
 
 def test_every_group_of_the_8x4_family_has_32_samples_per_step():
@@ -51,6 +62,8 @@ def test_variant_overrides():
     once = run_overrides(*_case("full_1dev_ga4_b8", OURS_ONCE), OUT)
     assert _value(once, "group_by_length") is None and _value(once, "backward_once_per_step") == "true"
     assert _value(run_overrides(*_case("full_1dev_ga4_b8", OURS_EACH), OUT), "backward_once_per_step") == "false"
+    device = run_overrides(*_case("full_1dev_ga4_b8", OURS_ONCE_DEVICE), OUT)
+    assert _value(device, "once_per_step_memory_limit") == "device" and _value(once, "once_per_step_memory_limit") is None
     up = run_overrides(*_case("full_2proc_ga4_b4", UPSTREAM), OUT)
     assert _value(up, "batch_size") == "4" and _value(up, "group_by_length") is None
     b1 = run_overrides(*_case("full_1dev_ga4_b1", OURS_ONCE), OUT)
@@ -85,7 +98,7 @@ def test_dry_run_lists_every_realistic_case(capsys):
     out = capsys.readouterr().out
     for case in PROFILES["realistic"].cases():
         assert f"/{case.name}/probe.json" in out
-    assert out.count("bench.hf_trainer") == 2 and out.count("--nproc_per_node=2") == 3
+    assert out.count("bench.hf_trainer") == 2 and out.count("--nproc_per_node=2") == 4
     assert out.count("max_tokens_per_micro_batch=1024") == 2 and out.count("pack_micro_batches=true") == 1
 
 
@@ -99,6 +112,23 @@ def test_probe_counts_labels_after_the_shift(tmp_path):
     (mb,) = probe.data["micro_batches"]
     assert (mb["trainable_tokens_pre_shift"], mb["trainable_tokens"]) == (4, 3)
     assert mb["non_padding_tokens"] == 9 and mb["padded_shape"] == [3, 4]
+
+
+def test_probe_tags_micro_batches_with_their_step_on_a_rank_that_does_not_log(tmp_path):
+    """Upstream's distributed recipes log (the probe's step_end) on rank 0 only; every rank steps its
+    optimizer, so a rank's micro-batches still get their optimizer step (found by a 2-process run)."""
+    sample = [{"tokens": [1, 2, 3], "labels": [1, 2, 3]}]
+    batch = {"tokens": torch.zeros(1, 3, dtype=torch.long)}
+    for logs in (True, False):
+        probe = Probe(tmp_path / f"probe_{logs}.json", "upstream", "full_finetune_distributed", [])
+        probe._peak_started = True
+        for _step in range(3):
+            for _ in range(2):
+                probe.micro_batch(sample, batch)
+            probe.optimizer_step()
+            if logs:
+                probe.step_end()
+        assert [mb["step_index"] for mb in probe.data["micro_batches"]] == [0, 0, 1, 1, 2, 2]
 
 
 def _run(losses, tps_tokens=100, peak=1.0):

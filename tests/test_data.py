@@ -131,6 +131,26 @@ def test_elastic_step_sets(grouped):
                              max_tokens_per_micro_batch=30)) == reference
 
 
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("kwargs", [dict(group_by_length=True), dict(max_tokens_per_micro_batch=40),
+                                    dict(max_tokens_per_micro_batch=40, pack=True)])
+def test_baseline_is_the_ungrouped_padded_step(world, kwargs):
+    """StepData.baseline: each rank's micro-batches as the default arrangement (torchtune's recipe) collates
+    the same samples, every position a logits row, whatever arrangement runs."""
+    ds = dataset(11)
+    plain = [list(loader.epoch(0)) for loader in loaders(ds, world, batch_size=2, gradient_accumulation_steps=2,
+                                                        group_by_length=False)]
+    arranged = [list(loader.epoch(0)) for loader in loaders(ds, world, batch_size=2, gradient_accumulation_steps=2,
+                                                           **kwargs)]
+    for rank in range(world):
+        assert len(plain[rank]) == len(arranged[rank]) > 1
+        for default, other in zip(plain[rank], arranged[rank]):
+            expected = [tuple(mb["tokens"].shape) for mb in default.micro_batches if any(mb["ids"])]
+            for steps in (default, other):
+                assert [(b.batch, b.seq_len) for b in steps.baseline] == expected
+                assert all(b.trainable_rows == b.batch * b.seq_len and not b.masked for b in steps.baseline)
+
+
 def test_resume_at_a_sample_position_with_other_settings():
     """Resuming at sample 6 trains samples 6.. of the same order, whatever the new batch layout."""
     ds = dataset(13)

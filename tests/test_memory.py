@@ -167,6 +167,50 @@ def test_guard_falls_back_and_comes_back_with_one_line_each(caplog):
     assert len(lines) == 1 and lines[0].startswith("Step 4: backward once per step again")
 
 
+def test_default_limit_is_what_torchtunes_recipe_needs_for_the_step(caplog):
+    """limit="torchtune": once per step only if its estimate is no more than a backward per padded
+    micro-batch with full logits over the step's baseline; said once at INFO, later flips below it.
+    limit="device" ignores the baseline. Either way the gradients are the same."""
+    model = build("full")
+    loss_fn = RecordingLoss()
+    loss_fn.take_output_projection(model)
+    shapes = memory.shapes_of([(mb, None) for mb in micro_batches()], [1, 1, 1])
+    once_need = step_peak_bytes(model_shape(model), shapes, once_per_step=True)
+    small = [MicroBatchShape(2, 12, 24)]  # one short padded micro-batch: less than the three kept graphs
+    large = [MicroBatchShape(2, 256, 512)] * 3  # its logits alone outweigh the kept graphs
+    assert step_peak_bytes(model_shape(model), small, once_per_step=False) < once_need
+    assert step_peak_bytes(model_shape(model), large, once_per_step=False) >= once_need
+    plenty = lambda _device: 1 << 50  # noqa: E731
+
+    def step(guard, baseline, n):
+        model.zero_grad(set_to_none=True)
+        loss_fn.recomputed.clear()
+        forward_backward(model, loss_fn, micro_batches(), device=CPU, memory_guard=guard, baseline=baseline, step=n)
+        return list(loss_fn.recomputed), grads_of(model)
+
+    guard = MemoryGuard(model, CPU, available=plenty)
+    assert guard.limit == "torchtune"
+    with caplog.at_level(logging.INFO):
+        recomputed, each_grads = step(guard, small, 1)
+        assert recomputed == [False] * 3 and not guard.once_per_step
+        recomputed, once_grads = step(guard, large, 2)
+        assert recomputed == [True] * 3 and guard.once_per_step
+        step(guard, small, 3)
+        assert not guard.once_per_step
+    lines = [r.getMessage() for r in caplog.records if "backward" in r.getMessage()]
+    assert len(lines) == 1  # the flips of steps 2 and 3 are below INFO
+    assert lines[0].startswith("Step 1:") and "torchtune's recipe" in lines[0] \
+        and "once_per_step_memory_limit=device" in lines[0]
+    for name, grad in each_grads.items():
+        assert rel_diff(grad, once_grads[name]) <= 1e-5, name
+
+    device_only = MemoryGuard(model, CPU, available=plenty, limit="device")
+    assert step(device_only, small, 1)[0] == [True] * 3
+    assert step(MemoryGuard(model, CPU, available=plenty), None, 1)[0] == [True] * 3  # no baseline: no bound
+    with pytest.raises(ValueError, match="limit"):
+        MemoryGuard(model, CPU, limit="gpu")
+
+
 def test_guard_counts_the_optimizer_state_until_it_exists():
     model = build("full")
     loss_fn = SummedCrossEntropyLoss("auto", IGNORE)

@@ -79,13 +79,42 @@ def test_step_that_does_not_fit_runs_per_micro_batch_with_one_line(run, monkeypa
 
     from torchtune_ext import memory
 
-    _, rows = run("fits")
+    _, rows = run("fits", "once_per_step_memory_limit=device")
     monkeypatch.setattr(memory, "available_memory_bytes", lambda device: 1 << 20)  # 1 MiB free
     with caplog.at_level(logging.INFO):
-        _, rows_tight = run("tight")
+        _, rows_tight = run("tight", "once_per_step_memory_limit=device")
     lines = [r.getMessage() for r in caplog.records if "backward once per step" in r.getMessage()]
     assert len(lines) == 1 and lines[0].startswith("Step 1:") and "per micro-batch" in lines[0]
+    assert "available" in lines[0]
     assert losses(rows_tight) == pytest.approx(losses(rows), rel=1e-5)
+
+
+def test_recipe_bounds_once_per_step_by_torchtunes_padded_step(run, monkeypatch):
+    """The recipe hands the guard each step's baseline: the micro-batches of the ungrouped run (torchtune's
+    arrangement) with every position a logits row; the guard's limit is the config's. On this tiny model a
+    vocabulary-wide logits row outweighs a token's activations, so the default still runs once per step."""
+    from torchtune_ext import memory
+
+    calls = []
+    fits = memory.MemoryGuard.fits_once_per_step
+
+    def recording(self, micro_batches, baseline=None):
+        decision = fits(self, micro_batches, baseline)
+        calls.append((self.limit, list(micro_batches), list(baseline or []), decision))
+        return decision
+
+    monkeypatch.setattr(memory.MemoryGuard, "fits_once_per_step", recording)
+    _, default = run("default")
+    _, ungrouped = run("ungrouped", "group_by_length=false")
+    _, device = run("device", "once_per_step_memory_limit=device")
+    default_calls, ungrouped_calls, device_calls = calls[:3], calls[3:6], calls[6:]
+    assert [c[0] for c in calls] == ["torchtune"] * 6 + ["device"] * 3
+    for (_, _, baseline, decision), (_, plain, _, _) in zip(default_calls, ungrouped_calls):
+        assert [(b.batch, b.seq_len) for b in baseline] == [(m.batch, m.seq_len) for m in plain]
+        assert all(b.trainable_rows == b.batch * b.seq_len for b in baseline)
+        assert decision
+    assert all(c[3] for c in device_calls)
+    assert losses(default) == pytest.approx(losses(device), rel=1e-5) == losses(ungrouped)
 
 
 def test_mfu_and_padding_are_logged_every_step(run):

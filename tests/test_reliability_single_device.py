@@ -129,6 +129,7 @@ CONFIG_ERRORS = {
     "gradient_accumulation_steps=-1": ["gradient_accumulation_steps", "positive integer"],
     "gradient_accumulation_steps=2.5": ["gradient_accumulation_steps", "positive integer"],
     "backward_once_per_step=maybe": ["backward_once_per_step", "true or false"],
+    "once_per_step_memory_limit=gpu": ["once_per_step_memory_limit", "torchtune, device"],
     "optimizer_in_bwd=true": ["optimizer_in_bwd", "gradient_accumulation_steps"],
     "tokenizer.max_seq_len=1": ["tokenizer.max_seq_len", ">= 2"],
     "dataset.data_files=/nonexistent/data.json": ["dataset.data_files", "/nonexistent/data.json"],

@@ -264,6 +264,11 @@ COMMON_KEYS: Dict[str, Key] = {
     "max_steps_per_epoch": Key(None, _optional_positive_int),
     "gradient_accumulation_steps": Key(1, _positive_int),
     "backward_once_per_step": Key(True, _boolean),
+    # What bounds a once-per-step step's memory (torchtune_ext.memory.MemoryGuard): "torchtune"
+    # (no more than torchtune's recipe needs for the same samples, and within the device's
+    # free memory) or "device" (the free memory only). Otherwise the step runs backward per
+    # micro-batch, with the same gradients.
+    "once_per_step_memory_limit": Key("torchtune", _one_of("torchtune", "device")),
     # How a step's samples are arranged into micro-batches (torchtune_ext.data.plan_step):
     # the set of samples per optimizer step, and so the loss, does not depend on it.
     "group_by_length": Key(True, _boolean),

@@ -27,7 +27,7 @@ a sample, which adds no token and no loss.
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -41,6 +41,7 @@ from torchtune.data import padded_collate_packed, padded_collate_sft
 from torchtune_ext.config import ConfigError
 from torchtune_ext.data_check import act_on_reports, check_dataset, explain_unreadable
 from torchtune_ext.loss import CROSS_ENTROPY_IGNORE_INDEX
+from torchtune_ext.memory import MicroBatchShape
 
 Sample = Dict[str, Any]
 # plan[rank][micro_batch] -> sample indices; an empty micro-batch is a label-masked stand-in
@@ -296,6 +297,11 @@ class StepData:
             included; for FLOP counts, :mod:`torchtune_ext.flops`).
         real_squared_lengths (int): sum over this rank's real sequences
             (samples, or the documents of a pack) of their length squared.
+        baseline: this rank's micro-batches of the same samples as
+            torchtune's recipe runs them (sampler order, ``batch_size``
+            samples padded to the longest, logits for every position): what
+            the memory guard's default limit compares a once-per-step step with
+            (:class:`torchtune_ext.memory.MemoryGuard`).
     """
 
     micro_batches: List[Dict[str, Any]]
@@ -306,6 +312,7 @@ class StepData:
     last_in_epoch: bool = False
     padded_squared_lengths: int = 0
     real_squared_lengths: int = 0
+    baseline: List[MicroBatchShape] = field(default_factory=list)
 
 
 def _real_documents(sample: Sample, ignore_index: int) -> List[int]:
@@ -445,8 +452,16 @@ class StepLoader:
             padded += rows * length
             padded_squares += rows * length * length
             micro_batches.append(batch)
+        # torchtune's recipe: the default plan, each micro-batch padded to its longest sample
+        baseline = []
+        for positions in plan_step(len(indices), dp_world_size=self.dp_world_size,
+                                   batch_size=self.batch_size)[self.dp_rank]:
+            if positions:
+                samples = [sample(p) for p in positions]
+                rows, length = len(samples), max(len(s["tokens"]) for s in samples)
+                baseline.append(MicroBatchShape(rows, length, rows * length, any("seq_lens" in s for s in samples)))
         return StepData(micro_batches, len(indices), end_sample, padded, real,
-                        padded_squared_lengths=padded_squares, real_squared_lengths=real_squares)
+                        padded_squared_lengths=padded_squares, real_squared_lengths=real_squares, baseline=baseline)
 
 
 def build_step_loader(cfg: Any, tokenizer: Any, *, seed: int, ignore_index: int,

@@ -7,7 +7,17 @@ memory of one micro-batch. :class:`MemoryGuard` estimates, before any forward
 of a step, what the once-per-step backward would hold at its peak, compares
 it with the memory free on the device, and lets the step fall back to the
 per-micro-batch backward when it would not fit (one log line when the mode
-changes). The estimate is an upper bound by design: falling back costs little
+changes).
+
+By default (``limit="torchtune"``) a step must also need no more than
+torchtune's own recipe would for the same samples: a backward per micro-batch
+of ``batch_size`` samples in sampler order, each padded to its longest
+sample, with logits for every position (``baseline``, from
+:class:`torchtune_ext.data.StepLoader`). So a config that fits with
+torchtune's recipe fits with ours, whatever the data; once per step runs
+where it is cheap (a step whose micro-batches are small next to one padded
+micro-batch with its vocabulary-wide logits). ``limit="device"`` drops that
+bound: once per step whenever the device has the memory. The estimate is an upper bound by design: falling back costs little
 (the same work, one backward per micro-batch); running out of memory costs the
 run (on CPU the kernel kills the process; a CUDA out-of-memory error is caught
 by the training step and the step redone per micro-batch, single process only).
@@ -30,6 +40,7 @@ width, heads, LoRA rank and dropout, fp32 and bf16; ``tests/test_memory.py``
 checks the formula against such counts.
 """
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence
@@ -45,6 +56,9 @@ GIB = 1024**3
 
 # Fraction of the available memory a step may plan to use, per device type (see the module docstring).
 HEADROOM = {"cpu": 0.7, "cuda": 0.85}
+
+# What bounds a once-per-step step (config key once_per_step_memory_limit, see the module docstring).
+LIMITS = ("torchtune", "device")
 
 
 @dataclass(frozen=True)
@@ -293,12 +307,24 @@ class MemoryGuard:
             memory; default :data:`HEADROOM` of the device type (0.85 for others).
         available (callable, optional): ``device -> bytes or None``; default
             :func:`available_memory_bytes`.
+        limit (str): ``"torchtune"`` (default): once per step only if it needs
+            no more than the step's ``baseline`` (torchtune's recipe) and fits
+            the device; ``"device"``: only the device's free memory bounds it.
+
+    Raises:
+        ValueError: ``limit`` is not one of :data:`LIMITS`.
     """
 
     def __init__(self, model: nn.Module, device: torch.device, optimizer: Optional[torch.optim.Optimizer] = None,
                  *, activation_dtype: Optional[torch.dtype] = None, headroom: Optional[float] = None,
-                 available: Optional[Callable[[torch.device], Optional[int]]] = None):
-        self.device = device
+                 available: Optional[Callable[[torch.device], Optional[int]]] = None, limit: str = "torchtune"):
+        if limit not in LIMITS:
+            raise ValueError(f"MemoryGuard: limit must be one of {LIMITS}, got {limit!r}")
+        self.device, self.limit = device, limit
+        self._why_not: Optional[str] = None  # why the last decision of this rank was no
+        self._told: set = set()  # the reasons a fallback was already logged for (at INFO / WARNING)
+        self._last_fallback: Optional[str] = None
+        self._torchtune_need = 0
         self.headroom = HEADROOM.get(torch.device(device).type, 0.85) if headroom is None else headroom
         self._available = available or (lambda dev: available_memory_bytes(dev))
         self._model, self._optimizer, self._dtype = model, optimizer, activation_dtype
@@ -312,15 +338,34 @@ class MemoryGuard:
                 and self._optimizer.state:
             self.shape = model_shape(self._model, self._dtype, self._optimizer)
 
-    def fits_once_per_step(self, micro_batches: Sequence[MicroBatchShape]) -> bool:
-        """This rank's decision (see :func:`decide`); no collective."""
+    def fits_once_per_step(self, micro_batches: Sequence[MicroBatchShape],
+                           baseline: Optional[Sequence[MicroBatchShape]] = None) -> bool:
+        """This rank's decision; no collective.
+
+        Args:
+            micro_batches: this rank's micro-batches of the step, as they will run.
+            baseline: the same samples as torchtune's recipe would run them
+                (:attr:`torchtune_ext.data.StepData.baseline`; every position
+                counted as a logits row); None: no such bound.
+        """
+        self._why_not = None
         if self.shape is None:
             return True
         self.refresh()
         need = step_peak_bytes(self.shape, micro_batches, once_per_step=True)
         if self._failed_at is not None and need >= self._failed_at:
+            self._why_not = "device"
             return False
-        return decide(need, self._available(self.device), self.headroom)
+        if self.limit == "torchtune" and baseline:
+            torchtune_need = step_peak_bytes(self.shape, baseline, once_per_step=False)
+            if need > torchtune_need:
+                self._why_not = "torchtune"
+                self._torchtune_need = torchtune_need
+                return False
+        if not decide(need, self._available(self.device), self.headroom):
+            self._why_not = "device"
+            return False
+        return True
 
     def note_out_of_memory(self, micro_batches: Sequence[MicroBatchShape]) -> None:
         """A once-per-step backward of this size ran out of memory: do not try that size again."""
@@ -329,21 +374,42 @@ class MemoryGuard:
             self._failed_at = need if self._failed_at is None else min(self._failed_at, need)
 
     def report(self, once_per_step: bool, micro_batches: Sequence[MicroBatchShape], step: int) -> None:
-        """One log line when the backward mode changes."""
+        """One log line when the backward mode changes.
+
+        A fallback for lack of device memory is logged (WARNING) at every
+        change; one because the step would need more than torchtune's recipe
+        (the default limit, which can alternate from step to step with the
+        data) only the first time (INFO), later changes at DEBUG.
+        """
         if once_per_step == self.once_per_step:
             return
         self.once_per_step = once_per_step
         if self.shape is None:
             return
         need = step_peak_bytes(self.shape, micro_batches, once_per_step=True)
-        available = self._available(self.device)
         if once_per_step:
-            log.info("Step %d: backward once per step again (estimated %.2f GiB, %s available).", step,
-                     need / GIB, _gib(available))
+            level = logging.INFO if self._last_fallback != "torchtune" else logging.DEBUG
+            log.log(level, "Step %d: backward once per step again (estimated %.2f GiB, %s available).", step,
+                    need / GIB, _gib(self._available(self.device)))
+            return
+        why = self._why_not or "peer"  # None: this rank fits, another rank's step does not
+        self._last_fallback = why
+        if why == "torchtune":
+            level = logging.DEBUG if why in self._told else logging.INFO
+            log.log(level, "Step %d: backward once per step would need about %.2f GiB, more than torchtune's "
+                    "recipe needs for the same samples (about %.2f GiB, backward per padded micro-batch): "
+                    "running backward per micro-batch (same gradients) for such steps; "
+                    "once_per_step_memory_limit=device lifts this bound.", step, need / GIB,
+                    self._torchtune_need / GIB)
+        elif why == "peer":
+            log.log(logging.DEBUG if why in self._told else logging.INFO,
+                    "Step %d: another rank's step does not fit backward once per step: running backward per "
+                    "micro-batch (same gradients) on every rank.", step)
         else:
             log.warning("Step %d: backward once per step would need about %.2f GiB, %s available: running "
                         "backward per micro-batch (same gradients) while it does not fit.",
-                        step, need / GIB, _gib(available))
+                        step, need / GIB, _gib(self._available(self.device)))
+        self._told.add(why)
 
 
 def _gib(value: Optional[int]) -> str:

@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor
 from torchtune_ext.accounting import TokenTally, TokenTotals, dp_is_active, global_sum
 from torchtune_ext.health import NonFiniteError, StepHealth, TrainingHealthError  # noqa: F401 (re-exported)
 from torchtune_ext.loss import SummedCrossEntropyLoss, TokenSums, shift_labels
-from torchtune_ext.memory import MemoryGuard, shapes_of
+from torchtune_ext.memory import MemoryGuard, MicroBatchShape, shapes_of
 from torchtune_ext.optim_in_bwd import OptimizerInBackward
 
 log = logging.getLogger(__name__)
@@ -174,6 +174,7 @@ def forward_backward(
     backward_once_per_step: bool = True,
     dp_group=None,
     memory_guard: Optional[MemoryGuard] = None,
+    baseline: Optional[Sequence[MicroBatchShape]] = None,
     step: int = 0,
 ) -> TokenTotals:
     """Accumulate the normalized gradient of one optimizer step.
@@ -202,6 +203,9 @@ def forward_backward(
             one backward per micro-batch (False).
         dp_group: data-parallel process group (None: default group, or none).
         memory_guard: decides whether once per step fits (None: always try).
+        baseline: this rank's micro-batches as torchtune's recipe would run
+            the step (:attr:`torchtune_ext.data.StepData.baseline`), for the
+            guard's default limit; None: the device's memory alone decides.
         step (int): optimizer step number, for log lines.
 
     Returns:
@@ -224,7 +228,7 @@ def forward_backward(
     once = backward_once_per_step and len(prepared) > 1
     if once and memory_guard is not None:
         shapes = shapes_of(prepared, counts)
-        once = _agree(memory_guard.fits_once_per_step(shapes), device, dp_group)
+        once = _agree(memory_guard.fits_once_per_step(shapes, baseline), device, dp_group)
         memory_guard.report(once, shapes, step)
     if not once:
         _backward_per_micro_batch(model, loss_fn, prepared, tally, num_tokens)
@@ -346,6 +350,7 @@ def train_step(
     step: int = 0,
     dp_group=None,
     memory_guard: Optional[MemoryGuard] = None,
+    baseline: Optional[Sequence[MicroBatchShape]] = None,
 ) -> StepResult:
     """Run one optimizer step over ``micro_batches`` (see the module docstring).
 
@@ -367,6 +372,7 @@ def train_step(
             that stops at any sign.
         memory_guard (MemoryGuard, optional): falls back to a backward per
             micro-batch when once per step would not fit (see :func:`forward_backward`).
+        baseline: see :func:`forward_backward`.
         Other arguments as in :func:`forward_backward`.
 
     Returns:
@@ -390,7 +396,7 @@ def train_step(
         # in backward: one backward per step, so each hook sees the parameter's whole step gradient
         # (no fallback to a backward per micro-batch either)
         backward_once_per_step=backward_once_per_step or in_backward, dp_group=dp_group,
-        memory_guard=None if in_backward else memory_guard, step=step,
+        memory_guard=None if in_backward else memory_guard, baseline=baseline, step=step,
     )
     num_tokens, local_num_tokens = totals.num_tokens, totals.local_num_tokens
     if num_tokens == 0:
