@@ -70,6 +70,7 @@ def test_case_command_and_overrides(tmp_path):
     control = plan_cases(4)[-1]
     overrides = case_overrides(control, steps=5, output_dir=tmp_path, seed=3, wandb_group="g")
     for expected in ("batch_size=1", "gradient_accumulation_steps=4", "backward_once_per_step=false",
+                     "once_per_step_memory_limit=device",
                      "max_steps_per_epoch=5", f"output_dir={tmp_path}", "seed=3", "save_final_checkpoint=false",
                      "metric_logger.group=g", f"metric_logger.name={control.name}"):
         assert expected in overrides

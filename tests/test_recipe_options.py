@@ -89,10 +89,19 @@ def test_step_that_does_not_fit_runs_per_micro_batch_with_one_line(run, monkeypa
     assert losses(rows_tight) == pytest.approx(losses(rows), rel=1e-5)
 
 
-def test_recipe_bounds_once_per_step_by_torchtunes_padded_step(run, monkeypatch):
-    """The recipe hands the guard each step's baseline: the micro-batches of the ungrouped run (torchtune's
-    arrangement) with every position a logits row; the guard's limit is the config's. On this tiny model a
-    vocabulary-wide logits row outweighs a token's activations, so the default still runs once per step."""
+def test_mfu_and_padding_are_logged_every_step(run):
+    _, rows = run("mfu", "peak_tflops_per_device=0.001")
+    for r in rows:
+        assert 0 <= r["padding_fraction"] < 1 and r["tflops_per_device"] >= r["useful_tflops_per_device"] > 0
+        assert r["mfu"] == pytest.approx(r["tflops_per_device"] / 0.001)
+
+
+def test_arrangements_of_a_step_train_alike(run, monkeypatch):
+    """Ungrouped, grouped (the default), a token budget and packed rows: the same samples per step, the
+    same losses and token counts; packing leaves no padding. Every arrangement hands the memory guard the
+    same baseline: the ungrouped run's micro-batches (torchtune's), every position a logits row. On this
+    tiny model a vocabulary-wide logits row outweighs a token's activations, so the default limit still
+    runs once per step, as does once_per_step_memory_limit=device."""
     from torchtune_ext import memory
 
     calls = []
@@ -104,36 +113,31 @@ def test_recipe_bounds_once_per_step_by_torchtunes_padded_step(run, monkeypatch)
         return decision
 
     monkeypatch.setattr(memory.MemoryGuard, "fits_once_per_step", recording)
-    _, default = run("default")
-    _, ungrouped = run("ungrouped", "group_by_length=false")
-    _, device = run("device", "once_per_step_memory_limit=device")
-    default_calls, ungrouped_calls, device_calls = calls[:3], calls[3:6], calls[6:]
-    assert [c[0] for c in calls] == ["torchtune"] * 6 + ["device"] * 3
-    for (_, _, baseline, decision), (_, plain, _, _) in zip(default_calls, ungrouped_calls):
-        assert [(b.batch, b.seq_len) for b in baseline] == [(m.batch, m.seq_len) for m in plain]
-        assert all(b.trainable_rows == b.batch * b.seq_len for b in baseline)
-        assert decision
-    assert all(c[3] for c in device_calls)
-    assert losses(default) == pytest.approx(losses(device), rel=1e-5) == losses(ungrouped)
+    guarded = {}
 
+    def run_recording(name, *overrides):
+        first = len(calls)
+        rows = run(name, *overrides)[1]
+        guarded[name] = calls[first:]
+        return rows
 
-def test_mfu_and_padding_are_logged_every_step(run):
-    _, rows = run("mfu", "peak_tflops_per_device=0.001")
-    for r in rows:
-        assert 0 <= r["padding_fraction"] < 1 and r["tflops_per_device"] >= r["useful_tflops_per_device"] > 0
-        assert r["mfu"] == pytest.approx(r["tflops_per_device"] / 0.001)
-
-
-def test_arrangements_of_a_step_train_alike(run):
-    """Ungrouped, grouped (the default), a token budget and packed rows: the same samples per step, the
-    same losses and token counts; packing leaves no padding."""
-    _, grouped = run("grouped")
-    _, ungrouped = run("ungrouped", "group_by_length=false")
-    _, budget = run("budget", "max_tokens_per_micro_batch=1024")
-    _, packed = run("packed", "max_tokens_per_micro_batch=1024", "pack_micro_batches=true")
-    for rows in (ungrouped, budget, packed):
+    grouped = run_recording("grouped")
+    ungrouped = run_recording("ungrouped", "group_by_length=false")
+    budget = run_recording("budget", "max_tokens_per_micro_batch=1024")
+    packed = run_recording("packed", "max_tokens_per_micro_batch=1024", "pack_micro_batches=true")
+    device = run_recording("device", "once_per_step_memory_limit=device")
+    for rows in (ungrouped, budget, packed, device):
         assert losses(rows) == pytest.approx(losses(grouped), rel=1e-5)
         assert [r["num_tokens"] for r in rows] == [r["num_tokens"] for r in grouped]
     # the same budget pads its micro-batches; packing them removes every padding position
     assert all(r["padding_fraction"] == 0 for r in packed)
     assert any(r["padding_fraction"] > 0 for r in ungrouped) and any(r["padding_fraction"] > 0 for r in budget)
+
+    # one call per step with more than one micro-batch (the budget may put a step in one)
+    plain = [[(m.batch, m.seq_len) for m in c[1]] for c in guarded["ungrouped"]]
+    assert len(plain) == 3
+    for name in ("grouped", "ungrouped", "device"):
+        assert [[(b.batch, b.seq_len) for b in c[2]] for c in guarded[name]] == plain
+        assert all(b.trainable_rows == b.batch * b.seq_len for c in guarded[name] for b in c[2])
+    assert {c[0] for name, cs in guarded.items() if name != "device" for c in cs} == {"torchtune"}
+    assert {c[0] for c in guarded["device"]} == {"device"} and all(c[3] for c in calls)

@@ -171,6 +171,9 @@ def case_overrides(
         f"batch_size={case.batch_size}",
         f"gradient_accumulation_steps={case.gradient_accumulation_steps}",
         f"backward_once_per_step={str(case.backward_once_per_step).lower()}",
+        # the _once cases compare the once-per-step backward itself: the default limit
+        # (torchtune) would run most of their steps per micro-batch on a real model
+        "once_per_step_memory_limit=device",
         "epochs=1",
         f"max_steps_per_epoch={steps}",
         f"output_dir={output_dir}",

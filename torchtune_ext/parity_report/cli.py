@@ -50,7 +50,8 @@ EXIT_DEVIATION, EXIT_USAGE, EXIT_RUN_FAILED = 1, 2, 3
 
 # Keys each case sets itself; a user override of one of them is replaced.
 OWNED_KEYS = {
-    "batch_size", "gradient_accumulation_steps", "backward_once_per_step", "epochs", "max_steps_per_epoch",
+    "batch_size", "gradient_accumulation_steps", "backward_once_per_step", "once_per_step_memory_limit", "epochs",
+    "max_steps_per_epoch",
     "output_dir", "seed", "resume_from_checkpoint", "save_final_checkpoint", "save_every_n_steps",
     "log_every_n_steps", "metric_logger.group", "metric_logger.name",
 }
