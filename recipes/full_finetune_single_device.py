@@ -39,7 +39,7 @@ from torchtune_ext.preflight import check_components
 from torchtune_ext.preemption import GracefulStop
 from torchtune_ext.resume import check_resume, restore_training
 from torchtune_ext.run_lock import OutputDirLock
-from torchtune_ext.runtime import build_profiler, offload_activations
+from torchtune_ext.runtime import build_profiler, offload_activations, set_log_level
 from torchtune_ext.step import StepHealth, build_lr_scheduler, train_step
 from torchtune_ext.upstream import describe_model
 
@@ -55,6 +55,7 @@ class FullFinetuneRecipeSingleDevice:
 
     def __init__(self, cfg: DictConfig) -> None:
         self.cfg = cfg
+        set_log_level(cfg.log_level)
         self._device = utils.get_device(None if cfg.device == "auto" else cfg.device)
         self._dtype = training.get_dtype(cfg.dtype, device=self._device)
         self.progress = Progress(seed=training.set_seed(seed=cfg.seed))

@@ -51,7 +51,7 @@ from torchtune_ext.preflight import check_components
 from torchtune_ext.preemption import GracefulStop
 from torchtune_ext.resume import check_resume, restore_training
 from torchtune_ext.run_lock import OutputDirLock
-from torchtune_ext.runtime import build_profiler, offload_activations
+from torchtune_ext.runtime import build_profiler, offload_activations, set_log_level
 from torchtune_ext.step import StepHealth, build_lr_scheduler, train_step
 from torchtune_ext.upstream import describe_model
 
@@ -68,6 +68,7 @@ class LoRAFinetuneRecipeDistributed:
 
     def __init__(self, cfg: DictConfig) -> None:
         self.cfg = cfg
+        set_log_level(cfg.log_level)
         self._device = utils.get_device(None if cfg.device == "auto" else cfg.device)
         self._dtype = training.get_dtype(cfg.dtype, device=self._device)
         self._rank, self._world_size = distributed.init_process_group(self._device, cfg.fsdp_cpu_offload)

@@ -192,11 +192,15 @@ def test_per_micro_batch_mode_reduce_scatters_once_per_step(results):
 
 def test_memory_guard_veto_on_one_rank_switches_every_rank(results):
     """Rank 1 short of memory: rank 0, which has plenty, runs backward per micro-batch too (the
-    ranks agree, or FSDP's collectives would not match); the results equal one rank's (above)."""
-    r = results["full_n12_w2_b1_ga2_once_guard_veto_rank1"]
-    assert r["once_per_step_modes"] == [False] * len(r["steps"])
-    r = results["lora_n12_w2_b1_ga2_once_guard_veto_rank0"]
-    assert r["once_per_step_modes"] == [False] * len(r["steps"])
+    ranks agree, or FSDP's collectives would not match); the results equal one rank's (above).
+    Short of memory, the fallback does not defer FSDP2's gradient sync (which would keep unsharded
+    gradients between micro-batches): every micro-batch reduce-scatters, as torchtune's recipe does."""
+    for name, units_of in (("full_n12_w2_b1_ga2_once_guard_veto_rank1", lambda r: r["fsdp_units"]),
+                           ("lora_n12_w2_b1_ga2_once_guard_veto_rank0", lambda r: r["fsdp_units"] - 1)):
+        r = results[name]
+        assert r["once_per_step_modes"] == [False] * len(r["steps"])
+        assert r["reduce_scatters"] == [units_of(r) * s["micro_batches"] for s in r["steps"]], name
+        assert all(s["micro_batches"] == 2 for s in r["steps"])
 
 
 def test_cpu_offload_policy_applied(results):

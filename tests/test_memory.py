@@ -211,6 +211,42 @@ def test_default_limit_is_what_torchtunes_recipe_needs_for_the_step(caplog):
         MemoryGuard(model, CPU, limit="gpu")
 
 
+def test_deferred_sync_only_where_the_unsharded_gradients_fit():
+    """Under FSDP2 a backward per micro-batch that defers the gradient sync keeps the unsharded gradients
+    (unsharded_gradient_bytes - gradient_bytes more): allowed without sharding, else only within the
+    device's memory and, with the torchtune limit, within the baseline's need."""
+    import dataclasses
+
+    model = build("full")
+    shapes = memory.shapes_of([(mb, None) for mb in micro_batches()], [1, 1, 1])
+    free = {"bytes": 1 << 50}
+    guard = MemoryGuard(model, CPU, available=lambda _device: free["bytes"])
+    unsharded = guard.shape
+    assert unsharded.unsharded_gradient_bytes == unsharded.gradient_bytes > 0
+    assert guard.fits_deferred_sync(shapes, [MicroBatchShape(1, 1, 1)])  # nothing sharded: nothing kept extra
+    free["bytes"] = 0
+    assert guard.fits_deferred_sync(shapes)
+    free["bytes"] = 1 << 50
+
+    guard.shape = dataclasses.replace(unsharded, gradient_bytes=unsharded.gradient_bytes // 8)  # 8 ranks' shard
+    each = step_peak_bytes(guard.shape, shapes, once_per_step=False)
+    extra = unsharded.unsharded_gradient_bytes - guard.shape.gradient_bytes
+
+    def baseline_needing(n):  # a baseline whose per-micro-batch estimate is at least n bytes
+        rows = 1
+        while step_peak_bytes(guard.shape, [MicroBatchShape(1, rows, rows)], once_per_step=False) < n:
+            rows *= 2
+        return [MicroBatchShape(1, rows, rows)]
+
+    assert guard.fits_deferred_sync(shapes, baseline_needing(each + extra))
+    assert not guard.fits_deferred_sync(shapes, [MicroBatchShape(1, 1, 1)])
+    device_only = MemoryGuard(model, CPU, available=lambda _d: 1 << 50, limit="device")
+    device_only.shape = guard.shape
+    assert device_only.fits_deferred_sync(shapes, [MicroBatchShape(1, 1, 1)])
+    free["bytes"] = int((each + extra) / guard.headroom) - 1
+    assert not guard.fits_deferred_sync(shapes, baseline_needing(each + extra))
+
+
 def test_guard_counts_the_optimizer_state_until_it_exists():
     model = build("full")
     loss_fn = SummedCrossEntropyLoss("auto", IGNORE)

@@ -141,3 +141,24 @@ def test_arrangements_of_a_step_train_alike(run, monkeypatch):
         assert all(b.trainable_rows == b.batch * b.seq_len for c in guarded[name] for b in c[2])
     assert {c[0] for name, cs in guarded.items() if name != "device" for c in cs} == {"torchtune"}
     assert {c[0] for c in guarded["device"]} == {"device"} and all(c[3] for c in calls)
+
+
+def test_log_level_applies_and_each_step_logs_its_backward_mode(run, caplog):
+    """log_level sets torchtune's logger (every recipe line goes through it) for the whole run; the
+    once_per_step metric says how each step's gradient was computed."""
+    import logging
+
+    from torchtune import utils
+
+    logger = utils.get_logger()
+    try:
+        with caplog.at_level(logging.DEBUG):
+            _, quiet = run("quiet", "log_level=WARNING")
+        assert not [r for r in caplog.records if r.name == logger.name and r.levelno < logging.WARNING]
+        _, each = run("debug", "log_level=DEBUG", "backward_once_per_step=false")
+        assert logger.getEffectiveLevel() == logging.DEBUG  # nothing imported during the run reset it
+    finally:
+        utils.get_logger("INFO")
+    assert [r["once_per_step"] for r in quiet] == [1, 1, 1]  # GA 2; the tiny model fits the default limit
+    assert [r["once_per_step"] for r in each] == [0, 0, 0]
+    assert losses(each) == pytest.approx(losses(quiet), rel=1e-5)

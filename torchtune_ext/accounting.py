@@ -76,11 +76,16 @@ class TokenTotals:
         local_num_tokens (int): trainable tokens on this rank.
         sums (dict): ``"loss"`` and every metric name -> global sum (float,
             nats for the loss).
+        once_per_step (bool | None): set by the training step
+            (:func:`torchtune_ext.step.forward_backward`): True if the step's
+            gradient came from one backward, False if from one per
+            micro-batch; None elsewhere (evaluation, a step with no token).
     """
 
     num_tokens: int
     local_num_tokens: int
     sums: Dict[str, float] = field(default_factory=dict)
+    once_per_step: Optional[bool] = None
 
     def mean(self, name: str) -> Optional[float]:
         """``sums[name] / num_tokens``; None when there is no trainable token (never 0 or NaN)."""

@@ -298,8 +298,10 @@ class StepData:
         real_squared_lengths (int): sum over this rank's real sequences
             (samples, or the documents of a pack) of their length squared.
         baseline: this rank's micro-batches of the same samples as
-            torchtune's recipe runs them (sampler order, ``batch_size``
-            samples padded to the longest, logits for every position): what
+            torchtune's recipe runs them (the epoch order split over ranks as
+            ``DistributedSampler`` does, i.e. :func:`plan_step`'s default,
+            ``batch_size`` samples padded to the longest, logits for every
+            position; :class:`torchtune_ext.memory.MicroBatchShape`): what
             the memory guard's default limit compares a once-per-step step with
             (:class:`torchtune_ext.memory.MemoryGuard`).
     """

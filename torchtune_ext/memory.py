@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torchtune import utils
 
@@ -92,6 +93,9 @@ class ModelShape:
         lora_bytes_per_layer (int): what they add per layer whatever the
             tokens (DoRA builds its adapter's weight from an identity matrix).
         gradient_bytes (int): gradients of the trainable parameters on this rank.
+        unsharded_gradient_bytes (int): the same unsharded (equal to
+            ``gradient_bytes`` without FSDP): what a rank holds between
+            micro-batches while FSDP2's gradient sync is deferred.
         optimizer_state_bytes (int): optimizer state still to be allocated by
             the first ``optimizer.step()`` (0 once it exists).
     """
@@ -106,6 +110,7 @@ class ModelShape:
     lora_bytes_per_token: int = 0
     lora_bytes_per_layer: int = 0
     gradient_bytes: int = 0
+    unsharded_gradient_bytes: int = 0
     optimizer_state_bytes: int = 0
 
 
@@ -281,6 +286,7 @@ def model_shape(model: nn.Module, activation_dtype: Optional[torch.dtype] = None
                 lora_fixed += e * module.in_dim * (module.in_dim + rank)
     trainable = [p for p in model.parameters() if p.requires_grad]
     gradient_bytes = sum(_local_numel(p) * p.element_size() for p in trainable)
+    unsharded_gradient_bytes = sum(p.numel() * p.element_size() for p in trainable)  # a DTensor's numel is global
     from torchtune_ext.loss import _output_width
 
     vocab = _output_width(getattr(model, "output", None)) or model.tok_embeddings.num_embeddings
@@ -291,6 +297,7 @@ def model_shape(model: nn.Module, activation_dtype: Optional[torch.dtype] = None
         intermediate_dim=w1.out_features if hasattr(w1, "out_features") else w1.out_dim,
         vocab_size=vocab, element_bytes=e, activation_checkpointing=checkpointed,
         lora_bytes_per_token=lora, lora_bytes_per_layer=lora_fixed, gradient_bytes=gradient_bytes,
+        unsharded_gradient_bytes=unsharded_gradient_bytes,
         optimizer_state_bytes=2 * gradient_bytes if optimizer is not None and not optimizer.state else 0,
     )
 
@@ -322,7 +329,7 @@ class MemoryGuard:
             raise ValueError(f"MemoryGuard: limit must be one of {LIMITS}, got {limit!r}")
         self.device, self.limit = device, limit
         self._why_not: Optional[str] = None  # why the last decision of this rank was no
-        self._told: set = set()  # the reasons a fallback was already logged for (at INFO / WARNING)
+        self._told = False  # a fallback above the torchtune limit was logged at INFO already
         self._last_fallback: Optional[str] = None
         self._torchtune_need = 0
         self.headroom = HEADROOM.get(torch.device(device).type, 0.85) if headroom is None else headroom
@@ -353,19 +360,38 @@ class MemoryGuard:
             return True
         self.refresh()
         need = step_peak_bytes(self.shape, micro_batches, once_per_step=True)
-        if self._failed_at is not None and need >= self._failed_at:
+        if (self._failed_at is not None and need >= self._failed_at) or \
+                not decide(need, self._available(self.device), self.headroom):
             self._why_not = "device"
             return False
         if self.limit == "torchtune" and baseline:
-            torchtune_need = step_peak_bytes(self.shape, baseline, once_per_step=False)
-            if need > torchtune_need:
+            self._torchtune_need = step_peak_bytes(self.shape, baseline, once_per_step=False)
+            if need > self._torchtune_need:
                 self._why_not = "torchtune"
-                self._torchtune_need = torchtune_need
                 return False
-        if not decide(need, self._available(self.device), self.headroom):
-            self._why_not = "device"
-            return False
         return True
+
+    def fits_deferred_sync(self, micro_batches: Sequence[MicroBatchShape],
+                           baseline: Optional[Sequence[MicroBatchShape]] = None) -> bool:
+        """Whether a backward per micro-batch may defer FSDP2's gradient sync to the last micro-batch.
+
+        Deferring saves a reduce-scatter per micro-batch but keeps the
+        unsharded gradients between micro-batches
+        (``unsharded_gradient_bytes - gradient_bytes`` more than syncing every
+        micro-batch, as torchtune's recipe does). True without sharding, else
+        if that step still fits the device and, with the ``torchtune`` limit,
+        needs no more than ``baseline``. This rank's answer; no collective.
+        """
+        if self.shape is None:
+            return True
+        extra = self.shape.unsharded_gradient_bytes - self.shape.gradient_bytes
+        if extra <= 0:
+            return True
+        need = step_peak_bytes(self.shape, micro_batches, once_per_step=False) + extra
+        if not decide(need, self._available(self.device), self.headroom):
+            return False
+        return not (self.limit == "torchtune" and baseline
+                    and need > step_peak_bytes(self.shape, baseline, once_per_step=False))
 
     def note_out_of_memory(self, micro_batches: Sequence[MicroBatchShape]) -> None:
         """A once-per-step backward of this size ran out of memory: do not try that size again."""
@@ -376,40 +402,45 @@ class MemoryGuard:
     def report(self, once_per_step: bool, micro_batches: Sequence[MicroBatchShape], step: int) -> None:
         """One log line when the backward mode changes.
 
-        A fallback for lack of device memory is logged (WARNING) at every
+        A fallback for lack of device memory is logged (WARNING, by the rank
+        short of memory, with its rank under several processes) at every
         change; one because the step would need more than torchtune's recipe
         (the default limit, which can alternate from step to step with the
-        data) only the first time (INFO), later changes at DEBUG.
+        data) only the first time (INFO, rank 0 only), later changes at DEBUG
+        (``log_level: DEBUG``).
         """
         if once_per_step == self.once_per_step:
             return
         self.once_per_step = once_per_step
         if self.shape is None:
             return
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else None
         need = step_peak_bytes(self.shape, micro_batches, once_per_step=True)
         if once_per_step:
-            level = logging.INFO if self._last_fallback != "torchtune" else logging.DEBUG
-            log.log(level, "Step %d: backward once per step again (estimated %.2f GiB, %s available).", step,
-                    need / GIB, _gib(self._available(self.device)))
+            if rank in (None, 0):
+                level = logging.INFO if self._last_fallback == "device" else logging.DEBUG
+                log.log(level, "Step %d: backward once per step again (estimated %.2f GiB, %s available).", step,
+                        need / GIB, _gib(self._available(self.device)))
             return
-        why = self._why_not or "peer"  # None: this rank fits, another rank's step does not
-        self._last_fallback = why
-        if why == "torchtune":
-            level = logging.DEBUG if why in self._told else logging.INFO
-            log.log(level, "Step %d: backward once per step would need about %.2f GiB, more than torchtune's "
-                    "recipe needs for the same samples (about %.2f GiB, backward per padded micro-batch): "
-                    "running backward per micro-batch (same gradients) for such steps; "
-                    "once_per_step_memory_limit=device lifts this bound.", step, need / GIB,
-                    self._torchtune_need / GIB)
-        elif why == "peer":
-            log.log(logging.DEBUG if why in self._told else logging.INFO,
-                    "Step %d: another rank's step does not fit backward once per step: running backward per "
-                    "micro-batch (same gradients) on every rank.", step)
-        else:
-            log.warning("Step %d: backward once per step would need about %.2f GiB, %s available: running "
+        why = self._why_not or "peer"  # None: this rank's step fits, another rank's does not
+        self._last_fallback = why if why != "peer" else self._last_fallback
+        if why == "device":
+            where = "" if rank is None else f" on rank {rank}"
+            log.warning("Step %d: backward once per step would need about %.2f GiB, %s available%s: running "
                         "backward per micro-batch (same gradients) while it does not fit.",
-                        step, need / GIB, _gib(self._available(self.device)))
-        self._told.add(why)
+                        step, need / GIB, _gib(self._available(self.device)), where)
+        elif rank in (None, 0):
+            level = logging.DEBUG if self._told else logging.INFO
+            if why == "torchtune":
+                log.log(level, "Step %d: backward once per step would need about %.2f GiB, more than torchtune's "
+                        "recipe needs for the same samples (about %.2f GiB, backward per padded micro-batch): "
+                        "running backward per micro-batch (same gradients) for such steps; "
+                        "once_per_step_memory_limit=device lifts this bound.", step, need / GIB,
+                        self._torchtune_need / GIB)
+            else:
+                log.log(level, "Step %d: another rank's step would need more memory once per step than its limit "
+                        "allows: running backward per micro-batch (same gradients) on every rank.", step)
+            self._told = True
 
 
 def _gib(value: Optional[int]) -> str:

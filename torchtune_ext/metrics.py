@@ -188,7 +188,9 @@ def step_record(
     ``peak_memory_gib`` (see :func:`peak_memory_gib`; left out with
     ``log_peak_memory=False``), ``skipped_steps``
     (cumulative), ``tokens_seen`` (cumulative ``num_tokens`` of the steps that
-    updated the model: an x axis comparable across batch sizes), and with
+    updated the model: an x axis comparable across batch sizes),
+    ``once_per_step`` (1: the step's gradient came from one backward, 0: from
+    one per micro-batch; absent when no backward ran), and with
     ``dp_world_size > 1`` also ``dp_world_size`` and ``tokens_per_second_per_device``.
 
     With ``data`` (this rank's
@@ -216,6 +218,8 @@ def step_record(
     if log_peak_memory:
         record["peak_memory_gib"] = peak_memory_gib(device)
     record.update(skipped_steps=skipped_steps, tokens_seen=tokens_seen)
+    if result.once_per_step is not None:
+        record["once_per_step"] = int(result.once_per_step)
     if data is not None and data.num_padded_positions > 0:
         record["padding_fraction"] = 1.0 - data.num_real_tokens / data.num_padded_positions
         if flops is not None and step_seconds > 0:

@@ -5,7 +5,8 @@
 * :func:`build_profiler` (``profiler``): torchtune's ``setup_torch_profiler``,
   or a profiler that does nothing when it is off;
 * :func:`use_low_cpu_ram` (``low_cpu_ram``): torchtune's switch for the QLoRA
-  state-dict hook that dequantizes through a memory-mapped file.
+  state-dict hook that dequantizes through a memory-mapped file;
+* :func:`set_log_level` (``log_level``): the level of torchtune's logger.
 
 None of them changes what is computed: the step's token count, loss and
 gradients are the same with or without them.
@@ -71,3 +72,15 @@ def use_low_cpu_ram(enabled: bool) -> None:
     from torchtune.modules import common_utils
 
     common_utils._use_low_cpu_ram = bool(enabled)
+
+
+def set_log_level(level: str) -> None:
+    """Apply the ``log_level`` key (DEBUG, INFO, WARNING, ERROR) to torchtune's logger.
+
+    Every line of the recipes and of ``torchtune_ext`` goes through that one
+    logger (``torchtune.utils.get_logger``), whose level modules set when they
+    are imported; call this after the imports, when the recipe starts.
+    """
+    from torchtune import utils
+
+    utils.get_logger(level)

@@ -67,6 +67,9 @@ class StepResult:
             trainable tokens, all ranks (``token_accuracy``: fraction of
             positions whose argmax is the label; ``entropy``: nats); empty
             when the step had no trainable token.
+        once_per_step (bool | None): the step's gradient came from one
+            backward (True) or one per micro-batch (False); None when no
+            backward ran.
     """
 
     loss: Optional[float]
@@ -75,6 +78,7 @@ class StepResult:
     grad_norm: Optional[float]
     skipped: Optional[str] = None
     metrics: Dict[str, float] = field(default_factory=dict)
+    once_per_step: Optional[bool] = None
 
 
 def build_lr_scheduler(cfg_lr_scheduler: Any, optimizer: torch.optim.Optimizer, num_training_steps: int):
@@ -142,13 +146,18 @@ def _backward_once(model, loss_fn, prepared, tally: TokenTally, num_tokens: int)
     (step_loss / num_tokens).backward()
 
 
-def _backward_per_micro_batch(model, loss_fn, prepared, tally: TokenTally, num_tokens: int) -> None:
-    """Forward and backward each micro-batch on its sum / step tokens; FSDP2 syncs after the last."""
-    can_defer_sync = hasattr(model, "set_requires_gradient_sync")
+def _backward_per_micro_batch(model, loss_fn, prepared, tally: TokenTally, num_tokens: int,
+                              defer_sync: bool = True) -> None:
+    """Forward and backward each micro-batch on its sum / step tokens.
+
+    ``defer_sync``: under FSDP2, reduce-scatter once per step, after the last
+    micro-batch (each rank keeps unsharded gradients until then); False:
+    after every micro-batch, keeping only gradient shards (torchtune's way).
+    """
+    can_defer_sync = defer_sync and hasattr(model, "set_requires_gradient_sync")
     last = len(prepared) - 1
     for i, (inputs, labels) in enumerate(prepared):
         if can_defer_sync:
-            # FSDP2: reduce-scatter once per step, after the last micro-batch.
             model.set_requires_gradient_sync(i == last)
         sums = forward_sums(model, loss_fn, inputs, labels)
         (sums.loss / num_tokens).backward()
@@ -157,12 +166,12 @@ def _backward_per_micro_batch(model, loss_fn, prepared, tally: TokenTally, num_t
         model.set_requires_gradient_sync(True)
 
 
-def _agree(flag: bool, device: torch.device, dp_group) -> bool:
-    """True on every rank only if ``flag`` is True on every rank (one tiny all-reduce)."""
+def _agree(flags: Sequence[bool], device: torch.device, dp_group) -> List[bool]:
+    """Each flag True on every rank only if it is True on every rank (one tiny all-reduce for all)."""
     if not dp_is_active(dp_group):
-        return flag
-    vetoes = torch.tensor(0 if flag else 1, dtype=torch.int64, device=device)
-    return int(global_sum(vetoes, dp_group).item()) == 0
+        return list(flags)
+    vetoes = torch.tensor([0 if flag else 1 for flag in flags], dtype=torch.int64, device=device)
+    return [int(v) == 0 for v in global_sum(vetoes, dp_group).tolist()]
 
 
 def forward_backward(
@@ -226,21 +235,23 @@ def forward_backward(
 
     # One micro-batch: its graph waits for no other, both modes are the same.
     once = backward_once_per_step and len(prepared) > 1
+    defer_sync = True  # the user's per-micro-batch mode defers FSDP2's sync (README: Two backward modes)
     if once and memory_guard is not None:
         shapes = shapes_of(prepared, counts)
-        once = _agree(memory_guard.fits_once_per_step(shapes, baseline), device, dp_group)
+        once, defer_sync = _agree([memory_guard.fits_once_per_step(shapes, baseline),
+                                   memory_guard.fits_deferred_sync(shapes, baseline)], device, dp_group)
         memory_guard.report(once, shapes, step)
     if not once:
-        _backward_per_micro_batch(model, loss_fn, prepared, tally, num_tokens)
-        return tally.totals(dp_group)
+        _backward_per_micro_batch(model, loss_fn, prepared, tally, num_tokens, defer_sync=defer_sync)
+        return _with_mode(tally.totals(dp_group), len(prepared) == 1)
     if dp_is_active(dp_group):
         _backward_once(model, loss_fn, prepared, tally, num_tokens)
-        return tally.totals(dp_group)
+        return _with_mode(tally.totals(dp_group), True)
 
     rng = _rng_state(device)
     try:
         _backward_once(model, loss_fn, prepared, tally, num_tokens)
-        return tally.totals(dp_group)
+        return _with_mode(tally.totals(dp_group), True)
     except torch.OutOfMemoryError:
         pass  # handled below, once the exception (and the graph its traceback holds) is gone
     log.warning("Optimizer step %d: out of memory with backward once per step; redoing the step with a "
@@ -257,7 +268,12 @@ def forward_backward(
     for _inputs, labels in prepared:
         tally.count(labels)
     _backward_per_micro_batch(model, loss_fn, prepared, tally, num_tokens)
-    return tally.totals(dp_group)
+    return _with_mode(tally.totals(dp_group), False)
+
+
+def _with_mode(totals: TokenTotals, once_per_step: bool) -> TokenTotals:
+    totals.once_per_step = once_per_step
+    return totals
 
 
 def _rng_state(device: torch.device):
@@ -420,9 +436,10 @@ def train_step(
         raise
     if skip:
         optimizer.zero_grad(set_to_none=True)
-        return StepResult(loss, num_tokens, local_num_tokens, grad_norm, skipped="non-finite", metrics=means)
+        return StepResult(loss, num_tokens, local_num_tokens, grad_norm, skipped="non-finite", metrics=means,
+                          once_per_step=totals.once_per_step)
 
     optimizer.step()  # in backward: the hooks updated already; this finds no gradient
     optimizer.zero_grad(set_to_none=True)
     health.after_update(step, params, loss, grad_norm)
-    return StepResult(loss, num_tokens, local_num_tokens, grad_norm, metrics=means)
+    return StepResult(loss, num_tokens, local_num_tokens, grad_norm, metrics=means, once_per_step=totals.once_per_step)
