@@ -161,6 +161,37 @@ def run_throughput(steps: Sequence[Mapping[str, float]], skip_steps: int) -> Dic
     }
 
 
+def best_of_repeats_throughput(runs_steps: Sequence[Sequence[Mapping[str, float]]],
+                               skip_steps: int) -> Optional[float]:
+    """Non-padding tokens/sec from each measured step's shortest time over the repeats.
+
+    Every repeat of a case trains on the same samples per step (same seed), so
+    a step's work is the same in each; what a busy host adds (CPU steal, other
+    processes) only ever lengthens a step. The minimum over repeats is then the
+    estimate least disturbed by it; the median per run (:func:`run_throughput`)
+    keeps the disturbance of the typical run.
+
+    Args:
+        runs_steps: per repeat, its step dicts as :func:`run_throughput` takes them.
+        skip_steps: the first ``skip_steps`` steps are excluded.
+
+    Returns:
+        tokens of the measured steps / sum over them of the shortest period;
+        None if no step was measured.
+    """
+    best: Dict[int, float] = {}
+    tokens: Dict[int, float] = {}
+    for steps in runs_steps:
+        for s in steps:
+            if s["step"] <= skip_steps or s.get("period") is None:
+                continue
+            k = int(s["step"])
+            best[k] = min(best.get(k, math.inf), float(s["period"]))
+            tokens[k] = float(s["non_padding_tokens"])
+    seconds = sum(best.values())
+    return sum(tokens.values()) / seconds if seconds else None
+
+
 def max_relative_difference(a: Sequence[Optional[float]], b: Sequence[Optional[float]]) -> Optional[float]:
     """Largest ``|a_i - b_i| / |b_i|`` over pairs where both are numbers (None if there are none)."""
     diffs = [abs(x - y) / abs(y) if y else abs(x - y) for x, y in zip(a, b) if x is not None and y is not None]

@@ -75,6 +75,7 @@ def summarize_case(
         "padding_fraction": analysis.summarize([padding_fraction(r["steps"]) for r in runs]),
         "measured_steps": per_run[0]["measured_steps"] if per_run else 0,
         "per_run_tokens_per_second": [t["tokens_per_second"] for t in per_run],
+        "best_tokens_per_second": analysis.best_of_repeats_throughput([r["steps"] for r in runs], skip_steps),
         "foreign_cpu": [r.get("foreign_cpu") for r in runs],
     }
     if any(s.get("share") is not None for s in shares):
@@ -103,9 +104,13 @@ def compare_to_upstream(
     by_repeat = {r.get("repeat"): r for r in upstream}
     paired = [tps(r) / tps(by_repeat[r.get("repeat")]) for r in ours
               if r.get("repeat") in by_repeat and tps(r) and tps(by_repeat[r.get("repeat")])]
+    ours_best = analysis.best_of_repeats_throughput([r["steps"] for r in ours], skip_steps)
+    up_best = analysis.best_of_repeats_throughput([r["steps"] for r in upstream], skip_steps)
     out: Dict[str, Any] = {
         "ratio": ours_tps / up_tps if ours_tps and up_tps else None,
         "paired_ratio": analysis.summarize(paired),
+        # the same from each step's shortest time over the repeats (analysis.best_of_repeats_throughput)
+        "best_ratio": ours_best / up_best if ours_best and up_best else None,
     }
     if ours and upstream:
         a, b = ours[0]["steps"], upstream[0]["steps"]
@@ -305,6 +310,10 @@ def evaluate_realistic_targets(cases: Mapping[str, Mapping[str, Any]],
           for name, g in sorted(groups.items()) if OURS_ONCE in g["comparisons"]["vs_hf"]]
     target("ours (defaults) / HF Trainer non-padding tokens/s >= 1.0 (1 x 4 and 8 x 4)", hf, "ratio",
            lambda x: x >= 1.0)
+    hf_best = [{"group": name, "variant": OURS_ONCE, "ratio": g["comparisons"]["vs_hf"][OURS_ONCE].get("best_ratio")}
+               for name, g in sorted(groups.items()) if OURS_ONCE in g["comparisons"]["vs_hf"]]
+    target("the same from each step's best time over the repeats (what host CPU steal disturbs least)", hf_best,
+           "ratio", lambda x: x >= 1.0)
     # Per group, the fastest of ours (defaults, or with the token budget where the group runs it).
     best = []
     for name, g in sorted(groups.items()):
@@ -350,11 +359,18 @@ def realistic_targets_table(targets: Sequence[Mapping[str, Any]]) -> str:
     return markdown_table(["target", "result", "measured"], rows, "lll")
 
 
+def _best_cell(tokens_per_second: Optional[float], ratio_to_hf: Optional[float]) -> str:
+    if tokens_per_second is None:
+        return "—"
+    return fmt(tokens_per_second) + (f" (×{ratio_to_hf:.2f})" if ratio_to_hf is not None else "")
+
+
 def realistic_table(cases: Mapping[str, Mapping[str, Any]], groups: Mapping[str, Mapping[str, Any]],
                     group_order: Sequence[str]) -> str:
     """One row per case: speed, memory, MFU, padding, and the loss differences to the references."""
     header = ["group", "implementation", "step time (s)", "non-padding tokens/s", "× upstream", "× HF Trainer",
-              "peak mem (GiB)", "MFU", "padding", "max rel. Δ loss vs upstream", "vs ungrouped", "vs HF"]
+              "best-of-repeats tokens/s (× HF)", "peak mem (GiB)", "MFU", "padding", "max rel. Δ loss vs upstream",
+              "vs ungrouped", "vs HF"]
     rows = []
     for gname in group_order:
         g = groups[gname]
@@ -371,12 +387,13 @@ def realistic_table(cases: Mapping[str, Mapping[str, Any]], groups: Mapping[str,
                 fmt_median_spread(s["tokens_per_second"]),
                 "1" if variant == UPSTREAM else fmt(up.get("ratio"), ".2f"),
                 "1" if variant == HF_TRAINER else fmt(hf.get("ratio"), ".2f"),
+                _best_cell(s.get("best_tokens_per_second"), 1.0 if variant == HF_TRAINER else hf.get("best_ratio")),
                 fmt(s["peak_memory_gib"]["median"], ".2f"), f"{100 * mfu:.1f}%" if mfu is not None else "—",
                 f"{100 * pad:.1f}%" if pad is not None else "—",
                 fmt(up.get("max_rel_diff_loss"), ".1e"), fmt(ung.get("max_rel_diff_loss"), ".1e"),
                 fmt(hf.get("max_rel_diff_loss"), ".1e"),
             ])
-    return markdown_table(header, rows, "ll" + "r" * 10)
+    return markdown_table(header, rows, "ll" + "r" * 11)
 
 
 def loss_table(runs_by_case: Mapping[str, Mapping[str, Any]], order: Sequence[str]) -> str:

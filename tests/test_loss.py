@@ -88,6 +88,26 @@ def test_token_metrics_are_sums_over_trainable_positions(chunks):
     assert uniform.metrics["entropy"].item() == pytest.approx(4 * math.log(13), rel=1e-6)
 
 
+@pytest.mark.parametrize("rows", [0, 1, 7, 20])
+def test_token_metrics_in_cpu_blocks_equal_the_whole_chunk(monkeypatch, rows):
+    """On CPU the metrics go through the rows in blocks (cache-sized); blocks of 3 rows, with a
+    remainder, and of one row give the whole-chunk counts and entropy."""
+    import torchtune_ext.loss as loss_module
+
+    torch.manual_seed(2)
+    log_probs = torch.log_softmax(torch.randn(rows, 13) * 3, dim=-1)
+    targets = torch.randint(0, 13, (rows,))
+    targets[: rows // 2] = log_probs[: rows // 2].argmax(-1)
+    expected_correct = (log_probs.argmax(-1) == targets).sum().item()
+    expected_entropy = -(log_probs.exp() * log_probs).sum().item()
+    row_bytes = 13 * 4
+    for block_rows in (1, 3, 1000):
+        monkeypatch.setattr(loss_module, "METRIC_BLOCK_BYTES", block_rows * row_bytes)
+        correct, entropy = loss_module.token_metric_sums(log_probs, targets)
+        assert correct.item() == expected_correct
+        assert entropy.item() == pytest.approx(expected_entropy, rel=1e-6, abs=1e-6)
+
+
 def test_token_metrics_can_be_turned_off():
     loss_fn = SummedCrossEntropyLoss(1, IGNORE, token_metrics=False)
     assert loss_fn.metric_names == ()

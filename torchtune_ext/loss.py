@@ -124,6 +124,39 @@ def rows_per_output_chunk(num_output_chunks: Union[int, str], num_rows: int, voc
     return max(1, math.ceil(num_rows / num_output_chunks))
 
 
+# On CPU the token metrics go through the log-probabilities in blocks of rows
+# of about this size: exp(log_probs) of a whole chunk is a [rows, vocab]
+# temporary written to and read back from main memory, while a block's stays
+# in a core's L2 cache. On the 2-core CPU of docs/benchmarks.md this cut the
+# metrics of 600 SmolLM2 rows from 0.22 s to 0.07 s (the output projection of
+# the same rows: 0.3 s). GPUs take the chunk whole (one kernel per op).
+METRIC_BLOCK_BYTES = 512 * 2**10
+
+
+def token_metric_sums(log_probs: torch.Tensor, targets: torch.Tensor) -> List[torch.Tensor]:
+    """Correct argmax predictions and summed entropy of ``[rows, vocab]`` log-probabilities.
+
+    Args:
+        log_probs: ``[rows, vocab]`` log-softmax output (fp32); rows may be 0.
+        targets: ``[rows]`` label ids (no ``ignore_index`` among them).
+
+    Returns:
+        [correct, entropy]: fp32 scalars; ``correct`` counts rows whose argmax
+        is the target, ``entropy`` is ``-sum_rows sum_v p_v log p_v`` in nats.
+        Call under ``no_grad``.
+    """
+    correct = torch.zeros((), dtype=torch.float32, device=log_probs.device)
+    entropy = torch.zeros((), dtype=torch.float32, device=log_probs.device)
+    if log_probs.device.type == "cpu":
+        block = max(1, METRIC_BLOCK_BYTES // max(1, log_probs.size(-1) * log_probs.element_size()))
+    else:
+        block = max(1, log_probs.size(0))
+    for rows, ids in zip(log_probs.split(block), targets.split(block)):
+        correct += (rows.argmax(dim=-1) == ids).sum(dtype=torch.float32)
+        entropy -= torch.linalg.vecdot(rows.exp(), rows).sum(dtype=torch.float32)
+    return [correct, entropy]
+
+
 def _output_width(output: Any) -> Optional[int]:
     """Vocabulary size of a torchtune output projection (``nn.Linear``, LoRA/DoRA linear, ``TiedLinear``)."""
     for name in ("out_features", "out_dim"):
@@ -255,8 +288,7 @@ class SummedCrossEntropyLoss(nn.Module):
         sums = [-picked.sum(dtype=torch.float32)]
         if self.token_metrics:
             with torch.no_grad():
-                sums.append((log_probs.argmax(dim=-1) == targets).sum(dtype=torch.float32))
-                sums.append(-(log_probs.exp() * log_probs).sum(dtype=torch.float32))
+                sums += token_metric_sums(log_probs, targets)
         return sums
 
     def forward(self, outputs: Union[torch.Tensor, List[torch.Tensor]], shifted_labels: torch.Tensor,
