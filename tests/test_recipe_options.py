@@ -162,3 +162,13 @@ def test_log_level_applies_and_each_step_logs_its_backward_mode(run, caplog):
     assert [r["once_per_step"] for r in quiet] == [1, 1, 1]  # GA 2; the tiny model fits the default limit
     assert [r["once_per_step"] for r in each] == [0, 0, 0]
     assert losses(each) == pytest.approx(losses(quiet), rel=1e-5)
+
+
+def test_token_metrics_can_be_turned_off_and_change_nothing_else(run):
+    """loss.token_metrics=false: no token_accuracy / entropy in the records, the same training."""
+    _, with_metrics = run("metrics")
+    _, without = run("no_metrics", "loss.token_metrics=false")
+    assert all({"token_accuracy", "entropy"} <= r.keys() for r in with_metrics)
+    assert not any({"token_accuracy", "entropy"} & r.keys() for r in without)
+    assert losses(without) == losses(with_metrics)
+    assert [r["grad_norm"] for r in without] == [r["grad_norm"] for r in with_metrics]
