@@ -19,7 +19,7 @@ from torchtune_ext.checkpoint import Progress
 from torchtune_ext.config import ConfigError
 from torchtune_ext.data import StepLoader, make_collate
 from torchtune_ext.evaluate import (
-    EvalResult, Validator, base_model_config, build_eval_loader, build_val_loader, evaluate, perplexity,
+    EvalResult, Validator, base_model_config, build_eval_loader, build_val_loader, describe, evaluate, perplexity,
 )
 from torchtune_ext.loss import SummedCrossEntropyLoss
 from torchtune_ext.step import forward_sums, prepare_micro_batch
@@ -131,6 +131,15 @@ def test_no_trainable_token_gives_no_loss():
     result = EvalResult(TokenTotals(0, 0, {"loss": 0.0, "token_accuracy": 0.0, "entropy": 0.0}), 3, 0.1)
     assert result.metrics() == {"num_tokens": 0, "num_samples": 3, "seconds": 0.1}
     assert perplexity(800.0) == math.inf and perplexity(0.0) == 1.0
+
+
+def test_summary_line_leaves_out_metrics_that_were_not_computed():
+    """loss.token_metrics=false: the line says nothing about accuracy (not 'nan')."""
+    with_metrics = EvalResult(TokenTotals(4, 4, {"loss": 4.0, "token_accuracy": 2.0, "entropy": 1.0}), 2, 0.5)
+    without = EvalResult(TokenTotals(4, 4, {"loss": 4.0}), 2, 0.5)
+    assert "token_accuracy 0.5000" in describe(with_metrics)
+    assert "token_accuracy" not in describe(without) and "nan" not in describe(without)
+    assert describe(without).startswith("loss 1.0000, perplexity 2.718 over 4 tokens of 2 samples")
 
 
 def val_cfg(**overrides):

@@ -138,6 +138,10 @@ CONFIG_ERRORS = {
     "dtype=fp16": ["dtype", "fp32, bf16"],
     "peak_tflops_per_device=-5": ["peak_tflops_per_device", "positive number"],
     "loss.num_output_chunks=0": ["loss.num_output_chunks", "auto or a positive integer"],
+    # torch would take any truthy value as true (a quoted "false" would run fused)
+    "optimizer.fused=maybe": ["optimizer.fused", "true or false"],
+    "optimizer.foreach=1": ["optimizer.foreach", "true or false"],
+    "loss.token_metrics=maybe": ["loss.token_metrics", "true or false"],
 }
 
 

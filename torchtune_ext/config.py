@@ -85,6 +85,10 @@ def _boolean(key: str, value: Any) -> None:
         raise ConfigError(key, f"expected true or false, got {value!r}")
 
 
+# Boolean arguments of torch.optim optimizers (fused and foreach also take null: torch decides).
+_OPTIMIZER_FLAGS = ("fused", "foreach", "amsgrad", "maximize", "capturable", "differentiable", "decoupled_weight_decay")
+
+
 def _optional_positive_float(key: str, value: Any) -> None:
     if value is None:
         return
@@ -606,6 +610,13 @@ def _check_combinations(cfg: DictConfig, training: bool = True) -> None:
         if enabled(cfg.get(key)) is not None:
             import_component(f"{key}._component_", cfg[key]._component_)
     check_output_chunks("loss.num_output_chunks", cfg.loss.get("num_output_chunks", "auto"))
+    if "token_metrics" in cfg.loss:
+        _boolean("loss.token_metrics", cfg.loss.token_metrics)
+    # torch's optimizers take any truthy value for these: "false" or "maybe" would run fused
+    for flag in _OPTIMIZER_FLAGS:
+        value = cfg.optimizer.get(flag) if enabled(cfg.get("optimizer")) is not None else None
+        if value is not None:
+            _boolean(f"optimizer.{flag}", value)
     max_seq_len = cfg.tokenizer.get("max_seq_len")
     if max_seq_len is not None and (isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 2):
         raise ConfigError("tokenizer.max_seq_len", f"expected an integer >= 2 (one input and one label), got {max_seq_len!r}")

@@ -261,9 +261,9 @@ def describe(result: EvalResult) -> str:
     m = result.metrics()
     if "loss" not in m:
         return f"no trainable token in {m['num_samples']} samples"
-    return (f"loss {m['loss']:.4f}, perplexity {m['perplexity']:.4g}, token_accuracy "
-            f"{m.get('token_accuracy', float('nan')):.4f} over {m['num_tokens']} tokens of {m['num_samples']} samples "
-            f"({m['seconds']:.1f} s)")
+    accuracy = f", token_accuracy {m['token_accuracy']:.4f}" if "token_accuracy" in m else ""  # loss.token_metrics
+    return (f"loss {m['loss']:.4f}, perplexity {m['perplexity']:.4g}{accuracy} over {m['num_tokens']} tokens of "
+            f"{m['num_samples']} samples ({m['seconds']:.1f} s)")
 
 
 # ---------------------------------------------------------------------------
