@@ -613,10 +613,10 @@ def _check_combinations(cfg: DictConfig, training: bool = True) -> None:
     if "token_metrics" in cfg.loss:
         _boolean("loss.token_metrics", cfg.loss.token_metrics)
     # torch's optimizers take any truthy value for these: "false" or "maybe" would run fused
+    optimizer = enabled(cfg.get("optimizer")) or {}
     for flag in _OPTIMIZER_FLAGS:
-        value = cfg.optimizer.get(flag) if enabled(cfg.get("optimizer")) is not None else None
-        if value is not None:
-            _boolean(f"optimizer.{flag}", value)
+        if optimizer.get(flag) is not None:
+            _boolean(f"optimizer.{flag}", optimizer[flag])
     max_seq_len = cfg.tokenizer.get("max_seq_len")
     if max_seq_len is not None and (isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 2):
         raise ConfigError("tokenizer.max_seq_len", f"expected an integer >= 2 (one input and one label), got {max_seq_len!r}")
