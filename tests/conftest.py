@@ -29,6 +29,11 @@ def _share_the_cores() -> None:
 
 _share_the_cores()
 
+
+from helpers import freeze_import_time_objects  # noqa: E402
+
+freeze_import_time_objects()
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 import resume_jobs
+from helpers import freeze_import_time_objects
 from torchtune_ext import distributed
 from torchtune_ext.config import ConfigError
 from torchtune_ext.run_lock import OutputDirLock, check_not_in_use
@@ -30,6 +31,7 @@ from torchtune_ext.run_lock import OutputDirLock, check_not_in_use
 # A native crash prints every thread's Python stack (rank 0 of this launch once died of
 # SIGSEGV under a loaded machine, with nothing to show where).
 faulthandler.enable()
+freeze_import_time_objects()  # each rank loads ~30 checkpoints, each load runs a full gc.collect()
 
 
 def refused(out: Path) -> list:

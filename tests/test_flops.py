@@ -91,8 +91,10 @@ def test_peak_from_config_table_or_measurement(monkeypatch, caplog):
     assert "Some Future GPU" in warning.getMessage() and "peak_tflops_per_device" in warning.getMessage()
 
 
-def test_cpu_peak_is_measured_in_under_a_second():
+def test_cpu_peak_is_measured_in_under_a_second(monkeypatch):
     import time
+
+    monkeypatch.setattr(flops, "_MEASURED_PEAKS", {})  # not one measured earlier in this process
 
     rng = torch.get_rng_state()
     start = time.perf_counter()
@@ -102,3 +104,18 @@ def test_cpu_peak_is_measured_in_under_a_second():
     assert 1e-4 < peak < 100 and "measured" in source
     # a 1024^3 product takes 2 GFLOP: the measurement is that divided by the best time
     assert flops.measure_peak_tflops(CPU, torch.float32, seconds=0.05, n=256) > 0
+
+
+def test_cpu_peak_is_measured_once_per_process_and_thread_count(monkeypatch):
+    calls = []
+    monkeypatch.setattr(flops, "_MEASURED_PEAKS", {})
+    monkeypatch.setattr(flops, "measure_peak_tflops", lambda device, dtype: calls.append(dtype) or 0.5 * len(calls))
+    first = peak_tflops_per_device(CPU, torch.float32)
+    assert peak_tflops_per_device(CPU, torch.float32) == first == (0.5, first[1]) and len(calls) == 1
+    assert peak_tflops_per_device(CPU, torch.bfloat16)[0] == 1.0 and len(calls) == 2  # another dtype: measured
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        assert peak_tflops_per_device(CPU, torch.float32)[0] == 1.5 and len(calls) == 3  # other threads: measured
+    finally:
+        torch.set_num_threads(threads)
