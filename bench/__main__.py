@@ -420,6 +420,7 @@ def finish(result: Dict[str, Any], profile: Profile, args: argparse.Namespace) -
 def render(path: Path, args: argparse.Namespace) -> int:
     """Re-summarize a results JSON written by an earlier run (same or newer bench code)."""
     result = json.loads(path.read_text())
+    result.setdefault("finished", "not finished (a runs.partial.json: the rounds done)")
     fields = dict(result["profile"])
     fields["groups"] = tuple(Group(**{**g, "variants": tuple(g["variants"])}) for g in fields["groups"])
     fields["extra_overrides"] = tuple(fields.get("extra_overrides", ()))

@@ -12,6 +12,7 @@ OURS_EACH = "ours_each"
 OURS_UNGROUPED = "ours_ungrouped"
 OURS_BUDGET = "ours_budget"
 OURS_PACKED = "ours_packed"
+OURS_PACKED_2048 = "ours_packed_2048"
 HF_TRAINER = "hf_trainer"
 VARIANTS = (UPSTREAM, OURS_ONCE, OURS_EACH)
 
@@ -23,6 +24,7 @@ VARIANT_LABELS = {
     OURS_UNGROUPED: "ours, backward once per step, group_by_length=false",
     OURS_BUDGET: "ours, backward once per step, max_tokens_per_micro_batch=1024",
     OURS_PACKED: "ours, backward once per step, max_tokens_per_micro_batch=1024, pack_micro_batches=true",
+    OURS_PACKED_2048: "ours, backward once per step, max_tokens_per_micro_batch=2048, pack_micro_batches=true",
     HF_TRAINER: "Hugging Face Trainer (transformers), token-normalized loss",
 }
 
@@ -40,7 +42,12 @@ VARIANT_OVERRIDES: Dict[str, Tuple[str, ...]] = {
     OURS_BUDGET: ("backward_once_per_step=true", "max_tokens_per_micro_batch=1024"),
     # the same samples concatenated into one row of at most 1024 tokens: no padding
     OURS_PACKED: ("backward_once_per_step=true", "max_tokens_per_micro_batch=1024", "pack_micro_batches=true"),
+    # At batch 8 x GA 4 x 512: rows of up to 2048 tokens (4 samples of the longest length); ours_packed's
+    # rows of 1024 there hold 2. A row's block-causal attention costs its length squared on SDPA.
+    OURS_PACKED_2048: ("backward_once_per_step=true", "max_tokens_per_micro_batch=2048", "pack_micro_batches=true"),
 }
+# Variants that rearrange the step's samples beyond grouping (their losses must equal the defaults').
+BUDGET_VARIANTS = (OURS_BUDGET, OURS_PACKED, OURS_PACKED_2048)
 
 # (implementation, kind, distributed) -> (recipe, config). Ours are files run
 # from the repository root; upstream's are the built-in recipes of torchtune's
@@ -185,7 +192,8 @@ PROFILES: Dict[str, Profile] = {
 # the 8 x 4 x 512 family (8 x GA 4 on one device, 4 x GA 4 on each of 2 processes).
 _REALISTIC_1DEV = (UPSTREAM, OURS_ONCE, OURS_EACH, OURS_UNGROUPED, OURS_ONCE_DEVICE)
 REALISTIC_GROUPS = (
-    Group("full", 1, 4, _REALISTIC_1DEV + (HF_TRAINER,), batch_size=8, max_seq_len=512, tag="b8"),
+    Group("full", 1, 4, _REALISTIC_1DEV + (HF_TRAINER, OURS_PACKED, OURS_PACKED_2048), batch_size=8, max_seq_len=512,
+          tag="b8"),
     Group("lora", 1, 4, _REALISTIC_1DEV, batch_size=8, max_seq_len=512, tag="b8"),
     Group("full", 2, 4, (UPSTREAM, OURS_ONCE, OURS_UNGROUPED, OURS_ONCE_DEVICE), batch_size=4, max_seq_len=512,
           tag="b4"),

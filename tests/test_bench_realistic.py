@@ -8,8 +8,8 @@ import torch
 
 from bench import analysis, report
 from bench.__main__ import build_profile, main, parse_args
-from bench.cases import (HF_TRAINER, OURS_BUDGET, OURS_EACH, OURS_ONCE, OURS_ONCE_DEVICE, OURS_PACKED, OURS_UNGROUPED,
-                         PROFILES, UPSTREAM, Case, command, run_overrides)
+from bench.cases import (HF_TRAINER, OURS_BUDGET, OURS_EACH, OURS_ONCE, OURS_ONCE_DEVICE, OURS_PACKED, OURS_PACKED_2048,
+                         OURS_UNGROUPED, PROFILES, UPSTREAM, Case, command, run_overrides)
 from bench.launch import Probe
 
 OUT = Path("/tmp/out")
@@ -30,7 +30,7 @@ def test_realistic_matrix():
     names = {c.name for c in PROFILES["realistic"].cases()}
     assert names == {
         *(f"full_1dev_ga4_b8_{v}" for v in (UPSTREAM, OURS_ONCE, OURS_EACH, OURS_UNGROUPED, OURS_ONCE_DEVICE,
-                                            HF_TRAINER)),
+                                            HF_TRAINER, OURS_PACKED, OURS_PACKED_2048)),
         *(f"lora_1dev_ga4_b8_{v}" for v in (UPSTREAM, OURS_ONCE, OURS_EACH, OURS_UNGROUPED, OURS_ONCE_DEVICE)),
         *(f"full_2proc_ga4_b4_{v}" for v in (UPSTREAM, OURS_ONCE, OURS_UNGROUPED, OURS_ONCE_DEVICE)),
         "full_1dev_ga4_b1_ours_once", "full_1dev_ga4_b1_ours_budget", "full_1dev_ga4_b1_ours_packed",
@@ -76,6 +76,9 @@ def test_variant_overrides():
     packed = run_overrides(*_case("full_1dev_ga4_b1", OURS_PACKED), OUT)
     assert _value(packed, "pack_micro_batches") == "true"
     assert _value(packed, "max_tokens_per_micro_batch") == _value(budget, "max_tokens_per_micro_batch")
+    packed_b8 = run_overrides(*_case("full_1dev_ga4_b8", OURS_PACKED_2048), OUT)
+    assert _value(packed_b8, "pack_micro_batches") == "true" and _value(packed_b8, "batch_size") == "8"
+    assert int(_value(packed_b8, "max_tokens_per_micro_batch")) == 4 * int(_value(packed_b8, "tokenizer.max_seq_len"))
 
 
 def test_hf_trainer_command():
@@ -99,7 +102,8 @@ def test_dry_run_lists_every_realistic_case(capsys):
     for case in PROFILES["realistic"].cases():
         assert f"/{case.name}/probe.json" in out
     assert out.count("bench.hf_trainer") == 2 and out.count("--nproc_per_node=2") == 4
-    assert out.count("max_tokens_per_micro_batch=1024") == 2 and out.count("pack_micro_batches=true") == 1
+    assert out.count("max_tokens_per_micro_batch=1024") == 3 and out.count("pack_micro_batches=true") == 3
+    assert out.count("max_tokens_per_micro_batch=2048") == 1
 
 
 def test_probe_counts_labels_after_the_shift(tmp_path):
