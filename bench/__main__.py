@@ -420,8 +420,10 @@ def finish(result: Dict[str, Any], profile: Profile, args: argparse.Namespace) -
 def render(path: Path, args: argparse.Namespace) -> int:
     """Re-summarize a results JSON written by an earlier run (same or newer bench code)."""
     result = json.loads(path.read_text())
-    result.setdefault("finished", "not finished (a runs.partial.json: the rounds done)")
     fields = dict(result["profile"])
+    if "finished" not in result:  # a runs.partial.json: the rounds done before the run stopped
+        result["finished"] = "not finished (the rounds done before it stopped)"
+        fields["repeats"] = len({r["repeat"] for r in result["runs"]})
     fields["groups"] = tuple(Group(**{**g, "variants": tuple(g["variants"])}) for g in fields["groups"])
     fields["extra_overrides"] = tuple(fields.get("extra_overrides", ()))
     profile = Profile(**fields)

@@ -42,8 +42,9 @@ VARIANT_OVERRIDES: Dict[str, Tuple[str, ...]] = {
     OURS_BUDGET: ("backward_once_per_step=true", "max_tokens_per_micro_batch=1024"),
     # the same samples concatenated into one row of at most 1024 tokens: no padding
     OURS_PACKED: ("backward_once_per_step=true", "max_tokens_per_micro_batch=1024", "pack_micro_batches=true"),
-    # At batch 8 x GA 4 x 512: rows of up to 2048 tokens (4 samples of the longest length); ours_packed's
-    # rows of 1024 there hold 2. A row's block-causal attention costs its length squared on SDPA.
+    # At batch 8 x GA 4 x 512: rows of up to 2048 tokens (4 samples of the longest length, ~9 of the
+    # average Alpaca one); ours_packed's rows of 1024 there hold half as many. A row's block-causal
+    # attention costs its length squared on CPU SDPA.
     OURS_PACKED_2048: ("backward_once_per_step=true", "max_tokens_per_micro_batch=2048", "pack_micro_batches=true"),
 }
 # Variants that rearrange the step's samples beyond grouping (their losses must equal the defaults').

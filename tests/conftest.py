@@ -30,9 +30,13 @@ def _share_the_cores() -> None:
 _share_the_cores()
 
 
-from helpers import freeze_import_time_objects  # noqa: E402
+def pytest_configure(config):
+    # In the processes that run tests: xdist workers, or the only process with -n 0 (not xdist's controller).
+    if hasattr(config, "workerinput") or str(config.getoption("numprocesses", None) or 0) == "0":
+        from helpers import freeze_import_time_objects
 
-freeze_import_time_objects()
+        freeze_import_time_objects()
+
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -242,6 +242,15 @@ def test_render_rebuilds_the_tables_from_a_results_json(tmp_path):
     assert "| upstream_clip_grad_norm_ | 0.100 | 1.0e-09 |" in text
     assert json.loads((tmp_path / "out" / "quick.json").read_text())["summary"]["cases"]
 
+    # an interrupted run's runs.partial.json (no "finished"), its second repeat not reached
+    del result["finished"]
+    result["runs"] = [r for r in runs if r["tag"] == "r0"]
+    result["profile"] = {**profile, "repeats": 3}
+    path.write_text(json.dumps(result))
+    assert render(path, args) == 0
+    text = (tmp_path / "out" / "quick.md").read_text()
+    assert "not finished" in text and "1 repeats." in text
+
 
 def test_pad_to_gives_fixed_shapes_without_trainable_tokens():
     import torch
