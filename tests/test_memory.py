@@ -211,6 +211,48 @@ def test_default_limit_is_what_torchtunes_recipe_needs_for_the_step(caplog):
         MemoryGuard(model, CPU, limit="gpu")
 
 
+def _baseline_needing(shape, n):
+    """A one-micro-batch baseline whose per-micro-batch estimate is at least ``n`` bytes."""
+    rows = 1
+    while step_peak_bytes(shape, [MicroBatchShape(1, rows, rows)], once_per_step=False) < n:
+        rows *= 2
+    return [MicroBatchShape(1, rows, rows)]
+
+
+def test_default_limit_bounds_the_job_by_its_largest_rank():
+    """Two ranks' figures combined as the training step combines them (the element-wise maximum over
+    ranks, one all-reduce): a rank whose once-per-step estimate is above its own share of torchtune's
+    step still runs once per step when the largest rank's torchtune need covers it; a rank short of
+    device memory makes both fall back, and only it says it lacks the memory."""
+    model = build("full")
+    free = {0: 1 << 50, 1: 1 << 50}
+    guards = [MemoryGuard(model, CPU, available=lambda _device, r=r: free[r]) for r in (0, 1)]
+    shapes = [MicroBatchShape(1, 16, 15)] * 3
+    once_bytes = step_peak_bytes(guards[0].shape, shapes, once_per_step=True)
+    small, large = [MicroBatchShape(1, 1, 1)], _baseline_needing(guards[0].shape, once_bytes)
+    assert step_peak_bytes(guards[0].shape, small, once_per_step=False) < once_bytes
+
+    def job(baselines):
+        needs = [guard.step_needs(shapes, baseline) for guard, baseline in zip(guards, baselines)]
+        largest = [max(values) for values in zip(*needs)]
+        return [guard.decide(largest)[0] for guard in guards], needs
+
+    assert not guards[0].fits_once_per_step(shapes, small)  # alone, rank 0's own share would refuse it
+    assert guards[1].fits_once_per_step(shapes, large)
+    decisions, needs = job([small, large])
+    assert decisions == [True, True]
+    assert needs[0][2] == needs[1][2] == once_bytes and needs[0][4] < once_bytes <= needs[1][4]
+    assert job([small, small])[0] == [False, False]  # no rank's torchtune need covers it
+    assert all(guard._why_not == "torchtune" for guard in guards)
+
+    free[1] = 0
+    assert job([large, large])[0] == [False, False]
+    assert [guard._why_not for guard in guards] == ["peer", "device"]
+    device_only = MemoryGuard(model, CPU, available=lambda _device: 1 << 50, limit="device")
+    assert device_only.decide([max(v) for v in zip(device_only.step_needs(shapes, small),
+                                                   guards[1].step_needs(shapes, small))]) == (False, True)
+
+
 def test_deferred_sync_only_where_the_unsharded_gradients_fit():
     """Under FSDP2 a backward per micro-batch that defers the gradient sync keeps the unsharded gradients
     (unsharded_gradient_bytes - gradient_bytes more): allowed without sharding, else only within the
@@ -232,11 +274,8 @@ def test_deferred_sync_only_where_the_unsharded_gradients_fit():
     each = step_peak_bytes(guard.shape, shapes, once_per_step=False)
     extra = unsharded.unsharded_gradient_bytes - guard.shape.gradient_bytes
 
-    def baseline_needing(n):  # a baseline whose per-micro-batch estimate is at least n bytes
-        rows = 1
-        while step_peak_bytes(guard.shape, [MicroBatchShape(1, rows, rows)], once_per_step=False) < n:
-            rows *= 2
-        return [MicroBatchShape(1, rows, rows)]
+    def baseline_needing(n):
+        return _baseline_needing(guard.shape, n)
 
     assert guard.fits_deferred_sync(shapes, baseline_needing(each + extra))
     assert not guard.fits_deferred_sync(shapes, [MicroBatchShape(1, 1, 1)])

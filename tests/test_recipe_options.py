@@ -105,14 +105,19 @@ def test_arrangements_of_a_step_train_alike(run, monkeypatch):
     from torchtune_ext import memory
 
     calls = []
-    fits = memory.MemoryGuard.fits_once_per_step
+    step_needs, decide = memory.MemoryGuard.step_needs, memory.MemoryGuard.decide
 
-    def recording(self, micro_batches, baseline=None):
-        decision = fits(self, micro_batches, baseline)
-        calls.append((self.limit, list(micro_batches), list(baseline or []), decision))
+    def recording_needs(self, micro_batches, baseline=None):
+        calls.append([self.limit, list(micro_batches), list(baseline or []), None])
+        return step_needs(self, micro_batches, baseline)
+
+    def recording_decision(self, needs):
+        decision = decide(self, needs)
+        calls[-1][3] = decision[0]  # once per step
         return decision
 
-    monkeypatch.setattr(memory.MemoryGuard, "fits_once_per_step", recording)
+    monkeypatch.setattr(memory.MemoryGuard, "step_needs", recording_needs)
+    monkeypatch.setattr(memory.MemoryGuard, "decide", recording_decision)
     guarded = {}
 
     def run_recording(name, *overrides):

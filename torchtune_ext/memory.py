@@ -43,7 +43,7 @@ checks the formula against such counts.
 import logging
 import os
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -331,7 +331,8 @@ class MemoryGuard:
         self._why_not: Optional[str] = None  # why the last decision of this rank was no
         self._told = False  # a fallback above the torchtune limit was logged at INFO already
         self._last_fallback: Optional[str] = None
-        self._torchtune_need = 0
+        self._job_needs = (0, 0)  # (once per step, torchtune's recipe): the bytes of the last decision
+        self._own_shortage = False  # this rank's own device lacked the memory at the last estimate
         self.headroom = HEADROOM.get(torch.device(device).type, 0.85) if headroom is None else headroom
         self._available = available or (lambda dev: available_memory_bytes(dev))
         self._model, self._optimizer, self._dtype = model, optimizer, activation_dtype
@@ -345,31 +346,75 @@ class MemoryGuard:
                 and self._optimizer.state:
             self.shape = model_shape(self._model, self._dtype, self._optimizer)
 
-    def fits_once_per_step(self, micro_batches: Sequence[MicroBatchShape],
-                           baseline: Optional[Sequence[MicroBatchShape]] = None) -> bool:
-        """This rank's decision; no collective.
+    def step_needs(self, micro_batches: Sequence[MicroBatchShape],
+                   baseline: Optional[Sequence[MicroBatchShape]] = None) -> List[int]:
+        """This rank's figures for the step's decision; no collective.
+
+        Under several ranks each rank computes them, the recipe takes their
+        element-wise maximum over ranks (one all-reduce) and every rank calls
+        :meth:`decide` with the same result. So the default limit bounds the
+        job: no rank plans more than the largest rank of torchtune's recipe
+        would need for the same step (a rank's own share may exceed its own
+        baseline). The device bound stays per rank: each rank checks its own
+        memory, and a shortage on any rank is a shortage for all.
 
         Args:
             micro_batches: this rank's micro-batches of the step, as they will run.
-            baseline: the same samples as torchtune's recipe would run them
-                (:attr:`torchtune_ext.data.StepData.baseline`; every position
-                counted as a logits row); None: no such bound.
+            baseline: the same samples as torchtune's recipe would run them on
+                this rank (:attr:`torchtune_ext.data.StepData.baseline`; every
+                position counted as a logits row); None: no such bound.
+
+        Returns:
+            List[int]: ``[once_short, deferred_short, once_bytes, deferred_bytes,
+            torchtune_bytes]``: 1/0 whether this rank's device lacks the memory
+            for backward once per step / for deferring FSDP2's gradient sync;
+            the estimated peak bytes of both; the baseline's estimated peak
+            (0: no baseline). All 0 when the model's shape is unknown.
         """
-        self._why_not = None
         if self.shape is None:
-            return True
+            return [0, 0, 0, 0, 0]
         self.refresh()
-        need = step_peak_bytes(self.shape, micro_batches, once_per_step=True)
-        if (self._failed_at is not None and need >= self._failed_at) or \
-                not decide(need, self._available(self.device), self.headroom):
-            self._why_not = "device"
-            return False
-        if self.limit == "torchtune" and baseline:
-            self._torchtune_need = step_peak_bytes(self.shape, baseline, once_per_step=False)
-            if need > self._torchtune_need:
+        available = self._available(self.device)
+        once_bytes = step_peak_bytes(self.shape, micro_batches, once_per_step=True)
+        once_short = (self._failed_at is not None and once_bytes >= self._failed_at) or \
+            not decide(once_bytes, available, self.headroom)
+        extra = self.shape.unsharded_gradient_bytes - self.shape.gradient_bytes
+        deferred_bytes = 0
+        if extra > 0:  # FSDP2 keeps the unsharded gradients between micro-batches
+            deferred_bytes = step_peak_bytes(self.shape, micro_batches, once_per_step=False) + extra
+        deferred_short = not decide(deferred_bytes, available, self.headroom)
+        torchtune_bytes = step_peak_bytes(self.shape, baseline, once_per_step=False) if baseline else 0
+        self._own_shortage = once_short
+        return [int(once_short), int(deferred_short), once_bytes, deferred_bytes, torchtune_bytes]
+
+    def decide(self, needs: Sequence[int]) -> Tuple[bool, bool]:
+        """``(once_per_step, defer_sync)`` from :meth:`step_needs` (the maximum over ranks under several).
+
+        Once per step if no rank is short of device memory for it and, with
+        the ``torchtune`` limit, its estimate is at most the baseline's
+        (``torchtune_bytes`` 0: no bound). A backward per micro-batch may
+        defer FSDP2's gradient sync to the last micro-batch under the same
+        two conditions for its own estimate (always, without sharding:
+        ``deferred_bytes`` 0).
+        """
+        once_short, deferred_short, once_bytes, deferred_bytes, torchtune_bytes = (int(v) for v in needs)
+        bounded = self.limit == "torchtune" and torchtune_bytes > 0
+        self._why_not = None
+        self._job_needs = (once_bytes, torchtune_bytes)
+        if once_short:
+            self._why_not = "device" if self._own_shortage else "peer"
+            once = False
+        else:
+            once = not (bounded and once_bytes > torchtune_bytes)
+            if not once:
                 self._why_not = "torchtune"
-                return False
-        return True
+        defer = deferred_bytes == 0 or not (deferred_short or (bounded and deferred_bytes > torchtune_bytes))
+        return once, defer
+
+    def fits_once_per_step(self, micro_batches: Sequence[MicroBatchShape],
+                           baseline: Optional[Sequence[MicroBatchShape]] = None) -> bool:
+        """One rank's decision alone (one process): :meth:`decide` of its own :meth:`step_needs`."""
+        return self.decide(self.step_needs(micro_batches, baseline))[0]
 
     def fits_deferred_sync(self, micro_batches: Sequence[MicroBatchShape],
                            baseline: Optional[Sequence[MicroBatchShape]] = None) -> bool:
@@ -378,20 +423,10 @@ class MemoryGuard:
         Deferring saves a reduce-scatter per micro-batch but keeps the
         unsharded gradients between micro-batches
         (``unsharded_gradient_bytes - gradient_bytes`` more than syncing every
-        micro-batch, as torchtune's recipe does). True without sharding, else
-        if that step still fits the device and, with the ``torchtune`` limit,
-        needs no more than ``baseline``. This rank's answer; no collective.
+        micro-batch, as torchtune's recipe does). One rank's decision alone,
+        as :meth:`fits_once_per_step`.
         """
-        if self.shape is None:
-            return True
-        extra = self.shape.unsharded_gradient_bytes - self.shape.gradient_bytes
-        if extra <= 0:
-            return True
-        need = step_peak_bytes(self.shape, micro_batches, once_per_step=False) + extra
-        if not decide(need, self._available(self.device), self.headroom):
-            return False
-        return not (self.limit == "torchtune" and baseline
-                    and need > step_peak_bytes(self.shape, baseline, once_per_step=False))
+        return self.decide(self.step_needs(micro_batches, baseline))[1]
 
     def note_out_of_memory(self, micro_batches: Sequence[MicroBatchShape]) -> None:
         """A once-per-step backward of this size ran out of memory: do not try that size again."""
@@ -422,7 +457,7 @@ class MemoryGuard:
                 log.log(level, "Step %d: backward once per step again (estimated %.2f GiB, %s available).", step,
                         need / GIB, _gib(self._available(self.device)))
             return
-        why = self._why_not or "peer"  # None: this rank's step fits, another rank's does not
+        why = self._why_not or "peer"
         self._last_fallback = why if why != "peer" else self._last_fallback
         if why == "device":
             where = "" if rank is None else f" on rank {rank}"
@@ -432,14 +467,15 @@ class MemoryGuard:
         elif rank in (None, 0):
             level = logging.DEBUG if self._told else logging.INFO
             if why == "torchtune":
+                once_bytes, torchtune_bytes = self._job_needs  # the largest rank's, under several
                 log.log(level, "Step %d: backward once per step would need about %.2f GiB, more than torchtune's "
                         "recipe needs for the same samples (about %.2f GiB, backward per padded micro-batch): "
                         "running backward per micro-batch (same gradients) for such steps; "
-                        "once_per_step_memory_limit=device lifts this bound.", step, need / GIB,
-                        self._torchtune_need / GIB)
+                        "once_per_step_memory_limit=device lifts this bound.", step, once_bytes / GIB,
+                        torchtune_bytes / GIB)
             else:
-                log.log(level, "Step %d: another rank's step would need more memory once per step than its limit "
-                        "allows: running backward per micro-batch (same gradients) on every rank.", step)
+                log.log(level, "Step %d: another rank lacks the memory for backward once per step: running "
+                        "backward per micro-batch (same gradients) on every rank.", step)
             self._told = True
 
 

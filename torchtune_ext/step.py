@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from torchtune_ext.accounting import TokenTally, TokenTotals, dp_is_active, global_sum
+from torchtune_ext.accounting import TokenTally, TokenTotals, dp_is_active
 from torchtune_ext.health import NonFiniteError, StepHealth, TrainingHealthError  # noqa: F401 (re-exported)
 from torchtune_ext.loss import SummedCrossEntropyLoss, TokenSums, shift_labels
 from torchtune_ext.memory import MemoryGuard, MicroBatchShape, shapes_of
@@ -166,12 +166,13 @@ def _backward_per_micro_batch(model, loss_fn, prepared, tally: TokenTally, num_t
         model.set_requires_gradient_sync(True)
 
 
-def _agree(flags: Sequence[bool], device: torch.device, dp_group) -> List[bool]:
-    """Each flag True on every rank only if it is True on every rank (one tiny all-reduce for all)."""
+def _largest_over_ranks(values: Sequence[int], device: torch.device, dp_group) -> List[int]:
+    """The element-wise maximum of integers over the data-parallel ranks (one tiny all-reduce)."""
     if not dp_is_active(dp_group):
-        return list(flags)
-    vetoes = torch.tensor([0 if flag else 1 for flag in flags], dtype=torch.int64, device=device)
-    return [int(v) == 0 for v in global_sum(vetoes, dp_group).tolist()]
+        return list(values)
+    largest = torch.tensor(list(values), dtype=torch.int64, device=device)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=dp_group)
+    return [int(v) for v in largest.tolist()]
 
 
 def forward_backward(
@@ -238,8 +239,9 @@ def forward_backward(
     defer_sync = True  # the user's per-micro-batch mode defers FSDP2's sync (README: Two backward modes)
     if once and memory_guard is not None:
         shapes = shapes_of(prepared, counts)
-        once, defer_sync = _agree([memory_guard.fits_once_per_step(shapes, baseline),
-                                   memory_guard.fits_deferred_sync(shapes, baseline)], device, dp_group)
+        # every rank decides on the same figures: the largest rank's needs bound the step
+        needs = _largest_over_ranks(memory_guard.step_needs(shapes, baseline), device, dp_group)
+        once, defer_sync = memory_guard.decide(needs)
         memory_guard.report(once, shapes, step)
     if not once:
         _backward_per_micro_batch(model, loss_fn, prepared, tally, num_tokens, defer_sync=defer_sync)
