@@ -235,7 +235,7 @@ def test_default_limit_bounds_the_job_by_its_largest_rank():
     def job(baselines):
         needs = [guard.step_needs(shapes, baseline) for guard, baseline in zip(guards, baselines)]
         largest = [max(values) for values in zip(*needs)]
-        return [guard.decide(largest)[0] for guard in guards], needs
+        return [guard.decide_step(largest)[0] for guard in guards], needs
 
     assert not guards[0].fits_once_per_step(shapes, small)  # alone, rank 0's own share would refuse it
     assert guards[1].fits_once_per_step(shapes, large)
@@ -245,12 +245,37 @@ def test_default_limit_bounds_the_job_by_its_largest_rank():
     assert job([small, small])[0] == [False, False]  # no rank's torchtune need covers it
     assert all(guard._why_not == "torchtune" for guard in guards)
 
+    # once_per_step_memory_limit=device: torchtune's need bounds nothing, on any rank
+    device_only = [MemoryGuard(model, CPU, available=lambda _device, r=r: free[r], limit="device") for r in (0, 1)]
+    both = [max(v) for v in zip(device_only[0].step_needs(shapes, small), device_only[1].step_needs(shapes, small))]
+    assert [guard.decide_step(both)[0] for guard in device_only] == [True, True]
+
     free[1] = 0
     assert job([large, large])[0] == [False, False]
     assert [guard._why_not for guard in guards] == ["peer", "device"]
-    device_only = MemoryGuard(model, CPU, available=lambda _device: 1 << 50, limit="device")
-    assert device_only.decide([max(v) for v in zip(device_only.step_needs(shapes, small),
-                                                   guards[1].step_needs(shapes, small))]) == (False, True)
+    both = [max(v) for v in zip(device_only[0].step_needs(shapes, small), device_only[1].step_needs(shapes, small))]
+    assert [guard.decide_step(both)[0] for guard in device_only] == [False, False]
+    assert [guard._why_not for guard in device_only] == ["peer", "device"]
+    with pytest.raises(ValueError, match="5 values"):
+        guards[0].decide_step([0, 0, 1])
+
+
+def test_deferred_sync_is_decided_for_the_job_too():
+    """Sharded gradients (FSDP2): deferring the sync keeps the unsharded gradients; under the default limit a
+    rank may defer when the largest rank's torchtune need covers its estimate, as for once per step."""
+    import dataclasses
+
+    model = build("full")
+    guards = [MemoryGuard(model, CPU, available=lambda _device: 1 << 50) for _ in (0, 1)]
+    for guard in guards:
+        guard.shape = dataclasses.replace(guard.shape, gradient_bytes=guard.shape.gradient_bytes // 2)
+    shapes = [MicroBatchShape(1, 16, 15)] * 3
+    deferred = guards[0].step_needs(shapes)[3]
+    assert deferred > step_peak_bytes(guards[0].shape, shapes, once_per_step=False)  # the unsharded gradients
+    small, large = [MicroBatchShape(1, 1, 1)], _baseline_needing(guards[0].shape, deferred)
+    assert not guards[0].fits_deferred_sync(shapes, small) and guards[1].fits_deferred_sync(shapes, large)
+    both = [max(v) for v in zip(guards[0].step_needs(shapes, small), guards[1].step_needs(shapes, large))]
+    assert [guard.decide_step(both)[1] for guard in guards] == [True, True]
 
 
 def test_deferred_sync_only_where_the_unsharded_gradients_fit():

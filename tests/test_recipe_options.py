@@ -105,19 +105,19 @@ def test_arrangements_of_a_step_train_alike(run, monkeypatch):
     from torchtune_ext import memory
 
     calls = []
-    step_needs, decide = memory.MemoryGuard.step_needs, memory.MemoryGuard.decide
+    step_needs, decide_step = memory.MemoryGuard.step_needs, memory.MemoryGuard.decide_step
 
     def recording_needs(self, micro_batches, baseline=None):
         calls.append([self.limit, list(micro_batches), list(baseline or []), None])
         return step_needs(self, micro_batches, baseline)
 
     def recording_decision(self, needs):
-        decision = decide(self, needs)
+        decision = decide_step(self, needs)
         calls[-1][3] = decision[0]  # once per step
         return decision
 
     monkeypatch.setattr(memory.MemoryGuard, "step_needs", recording_needs)
-    monkeypatch.setattr(memory.MemoryGuard, "decide", recording_decision)
+    monkeypatch.setattr(memory.MemoryGuard, "decide_step", recording_decision)
     guarded = {}
 
     def run_recording(name, *overrides):

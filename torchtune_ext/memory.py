@@ -352,7 +352,7 @@ class MemoryGuard:
 
         Under several ranks each rank computes them, the recipe takes their
         element-wise maximum over ranks (one all-reduce) and every rank calls
-        :meth:`decide` with the same result. So the default limit bounds the
+        :meth:`decide_step` with the same result. So the default limit bounds the
         job: no rank plans more than the largest rank of torchtune's recipe
         would need for the same step (a rank's own share may exceed its own
         baseline). The device bound stays per rank: each rank checks its own
@@ -387,16 +387,31 @@ class MemoryGuard:
         self._own_shortage = once_short
         return [int(once_short), int(deferred_short), once_bytes, deferred_bytes, torchtune_bytes]
 
-    def decide(self, needs: Sequence[int]) -> Tuple[bool, bool]:
-        """``(once_per_step, defer_sync)`` from :meth:`step_needs` (the maximum over ranks under several).
+    def decide_step(self, needs: Sequence[int]) -> Tuple[bool, bool]:
+        """Whether the step runs backward once per step, and whether a backward per micro-batch defers FSDP2's sync.
 
         Once per step if no rank is short of device memory for it and, with
-        the ``torchtune`` limit, its estimate is at most the baseline's
-        (``torchtune_bytes`` 0: no bound). A backward per micro-batch may
+        the ``torchtune`` limit, its estimate is at most torchtune's need
+        (``torchtune_bytes`` 0: no bound; under several ranks that is so only
+        when every rank sent 0, e.g. a rank with no samples left at the end of
+        the data is bounded by the others'). A backward per micro-batch may
         defer FSDP2's gradient sync to the last micro-batch under the same
-        two conditions for its own estimate (always, without sharding:
-        ``deferred_bytes`` 0).
+        two conditions for its own estimate (always without sharding:
+        ``deferred_bytes`` 0). Also records, for :meth:`report`, why the
+        answer was no and the bytes it compared.
+
+        Args:
+            needs: the 5 integers of :meth:`step_needs` (flags 0/1, bytes),
+                or their element-wise maximum over the data-parallel ranks.
+
+        Returns:
+            Tuple[bool, bool]: ``(once_per_step, defer_sync)``.
+
+        Raises:
+            ValueError: ``needs`` does not hold 5 values.
         """
+        if len(needs) != 5:
+            raise ValueError(f"MemoryGuard.decide_step: expected the 5 values of step_needs, got {len(needs)}")
         once_short, deferred_short, once_bytes, deferred_bytes, torchtune_bytes = (int(v) for v in needs)
         bounded = self.limit == "torchtune" and torchtune_bytes > 0
         self._why_not = None
@@ -413,8 +428,8 @@ class MemoryGuard:
 
     def fits_once_per_step(self, micro_batches: Sequence[MicroBatchShape],
                            baseline: Optional[Sequence[MicroBatchShape]] = None) -> bool:
-        """One rank's decision alone (one process): :meth:`decide` of its own :meth:`step_needs`."""
-        return self.decide(self.step_needs(micro_batches, baseline))[0]
+        """One rank's decision alone (one process): :meth:`decide_step` of its own :meth:`step_needs`."""
+        return self.decide_step(self.step_needs(micro_batches, baseline))[0]
 
     def fits_deferred_sync(self, micro_batches: Sequence[MicroBatchShape],
                            baseline: Optional[Sequence[MicroBatchShape]] = None) -> bool:
@@ -426,7 +441,7 @@ class MemoryGuard:
         micro-batch, as torchtune's recipe does). One rank's decision alone,
         as :meth:`fits_once_per_step`.
         """
-        return self.decide(self.step_needs(micro_batches, baseline))[1]
+        return self.decide_step(self.step_needs(micro_batches, baseline))[1]
 
     def note_out_of_memory(self, micro_batches: Sequence[MicroBatchShape]) -> None:
         """A once-per-step backward of this size ran out of memory: do not try that size again."""
@@ -450,16 +465,18 @@ class MemoryGuard:
         if self.shape is None:
             return
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else None
-        need = step_peak_bytes(self.shape, micro_batches, once_per_step=True)
         if once_per_step:
             if rank in (None, 0):
                 level = logging.INFO if self._last_fallback == "device" else logging.DEBUG
-                log.log(level, "Step %d: backward once per step again (estimated %.2f GiB, %s available).", step,
-                        need / GIB, _gib(self._available(self.device)))
+                log.log(level, "Step %d: backward once per step again (estimated %.2f GiB%s, %s available).", step,
+                        self._job_needs[0] / GIB, "" if rank is None else " on the largest rank",
+                        _gib(self._available(self.device)))
             return
         why = self._why_not or "peer"
-        self._last_fallback = why if why != "peer" else self._last_fallback
+        # "peer": another rank's device is short; going back to once per step is then worth an INFO line too
+        self._last_fallback = "device" if why in ("device", "peer") else why
         if why == "device":
+            need = step_peak_bytes(self.shape, micro_batches, once_per_step=True)  # this rank's own
             where = "" if rank is None else f" on rank {rank}"
             log.warning("Step %d: backward once per step would need about %.2f GiB, %s available%s: running "
                         "backward per micro-batch (same gradients) while it does not fit.",
@@ -473,10 +490,10 @@ class MemoryGuard:
                         "running backward per micro-batch (same gradients) for such steps; "
                         "once_per_step_memory_limit=device lifts this bound.", step, once_bytes / GIB,
                         torchtune_bytes / GIB)
+                self._told = True
             else:
-                log.log(level, "Step %d: another rank lacks the memory for backward once per step: running "
-                        "backward per micro-batch (same gradients) on every rank.", step)
-            self._told = True
+                log.info("Step %d: another rank lacks the memory for backward once per step: running "
+                         "backward per micro-batch (same gradients) on every rank.", step)
 
 
 def _gib(value: Optional[int]) -> str:

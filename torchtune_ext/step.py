@@ -167,7 +167,10 @@ def _backward_per_micro_batch(model, loss_fn, prepared, tally: TokenTally, num_t
 
 
 def _largest_over_ranks(values: Sequence[int], device: torch.device, dp_group) -> List[int]:
-    """The element-wise maximum of integers over the data-parallel ranks (one tiny all-reduce)."""
+    """The element-wise maximum of integers over the data-parallel ranks (one tiny all-reduce).
+
+    ``device`` is where the process group's backend reduces (CPU for gloo, CUDA for nccl).
+    """
     if not dp_is_active(dp_group):
         return list(values)
     largest = torch.tensor(list(values), dtype=torch.int64, device=device)
@@ -241,7 +244,7 @@ def forward_backward(
         shapes = shapes_of(prepared, counts)
         # every rank decides on the same figures: the largest rank's needs bound the step
         needs = _largest_over_ranks(memory_guard.step_needs(shapes, baseline), device, dp_group)
-        once, defer_sync = memory_guard.decide(needs)
+        once, defer_sync = memory_guard.decide_step(needs)
         memory_guard.report(once, shapes, step)
     if not once:
         _backward_per_micro_batch(model, loss_fn, prepared, tally, num_tokens, defer_sync=defer_sync)
