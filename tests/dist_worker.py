@@ -21,7 +21,9 @@ optionally ``clip`` (max grad norm), ``max_steps``, ``cpu_offload``,
 returns logits instead of the loss applying the output projection, as the
 recipes do), ``guard_veto_rank`` (a ``MemoryGuard`` whose available
 memory is 0 on that rank only: every rank must fall back to the
-per-micro-batch backward together), ``arch`` (a key of
+per-micro-batch backward together), ``guard_baseline`` (a ``MemoryGuard``
+with the default limit, given each step's torchtune baseline as the recipes
+give it; every rank's figures per step are saved), ``arch`` (a key of
 :data:`ARCHS`: the tiny Llama by default, or a Qwen2 with q/k/v biases and
 its own output projection, or a Gemma with scaled embeddings, GeGLU and one
 KV head), ``optim_in_bwd`` (one SGD per parameter, stepped in backward) and
@@ -155,23 +157,36 @@ def run_case(case: dict, rank: int, world_size: int) -> dict:
         optimizer = OptimizerInBackward(params, lambda ps: torch.optim.SGD(ps, lr=0.5))
     else:
         optimizer = torch.optim.SGD(params, lr=0.5)
-    guard = None
+    guard, needs_by_step = None, []
     if "guard_veto_rank" in case:
         vetoes = case["guard_veto_rank"] == rank
         guard = MemoryGuard(model, CPU, optimizer, available=lambda _device: 0 if vetoes else 1 << 50)
+    elif case.get("guard_baseline"):
+        guard = MemoryGuard(model, CPU, optimizer, available=lambda _device: 1 << 50)
+        own_needs = guard.step_needs
+
+        def recording_needs(micro_batches, baseline=None):
+            needs_by_step.append(own_needs(micro_batches, baseline))
+            return needs_by_step[-1]
+
+        guard.step_needs = recording_needs
     modes = []
     steps, scatters_per_step = [], []
     for i, step_data in enumerate(loader.epoch(0)):
         window = step_data.micro_batches
         before = reduce_scatters[0]
         r = train_step(model, optimizer, loss_fn, window, device=CPU, backward_once_per_step=case["once"],
-                       clip_grad_norm=case.get("clip"), step=i + 1, memory_guard=guard)
+                       clip_grad_norm=case.get("clip"), step=i + 1, memory_guard=guard,
+                       baseline=step_data.baseline if case.get("guard_baseline") else None)
         modes.append(None if guard is None else guard.once_per_step)
         steps.append({"loss": r.loss, "grad_norm": r.grad_norm, "num_tokens": r.num_tokens,
                       "local_num_tokens": r.local_num_tokens, "micro_batches": len(window), **r.metrics})
         scatters_per_step.append(reduce_scatters[0] - before)
     full = distributed.gather_full_model_state_dict(model, CPU)
     extra = {}
+    if case.get("guard_baseline"):
+        extra["step_needs_by_rank"] = [None] * world_size
+        dist.all_gather_object(extra["step_needs_by_rank"], needs_by_step)
     if case.get("optim_in_bwd"):
         # the recipes' checkpoint path: gather the sharded per-parameter states, then load them back
         saved = [distributed.gather_full_optimizer_state_dict(model, optimizer)]

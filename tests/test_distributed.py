@@ -13,8 +13,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
-from helpers import REPO_ROOT, rel_diff
+from helpers import REPO_ROOT, rel_diff, tiny_model
 
 TOL = 1e-5
 CLIP = 1.0
@@ -54,6 +55,10 @@ CASES += [case(2, 1, 2, True, budget=48, pack=True), case(2, 1, 2, False, num_sa
 # guard that says "does not fit" on one rank only: all ranks fall back together.
 CASES += [case(2, 1, 2, True, logits=True), case(2, 1, 2, False, logits=True),
           case(2, 1, 2, True, guard_veto_rank=1), case(2, 1, 2, True, model="lora", guard_veto_rank=0)]
+# The default memory limit with each step's torchtune baseline, grouped by length: the ranks' shares
+# differ, and the guard bounds the job by its largest rank; against one rank with the step in one batch.
+GUARD_CASES = [case(2, 2, 2, True, num_samples=16, model="lora", grouped=True, guard_baseline=True),
+               case(1, 8, 1, True, num_samples=16, model="lora")]
 # LoRA (nonzero lora_b, frozen base): the same four splits, both modes.
 CASES += [case(w, b, ga, once, model="lora") for w, b, ga in SPLITS for once in (True, False)]
 # Packed: all 12 documents in one optimizer step, packed into 64-token rows on 2 ranks
@@ -122,7 +127,8 @@ def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dist")
     out = {}
     for world_size in (1, 2):
-        cases = [c for c in CASES + PACKED_CASES + EVAL_CASES + OPTIM_IN_BWD_CASES if c["world_size"] == world_size]
+        cases = [c for c in CASES + PACKED_CASES + EVAL_CASES + OPTIM_IN_BWD_CASES + GUARD_CASES
+                 if c["world_size"] == world_size]
         out.update(launch(world_size, cases, tmp / f"w{world_size}.pt"))
     return out
 
@@ -201,6 +207,28 @@ def test_memory_guard_veto_on_one_rank_switches_every_rank(results):
         assert r["once_per_step_modes"] == [False] * len(r["steps"])
         assert r["reduce_scatters"] == [units_of(r) * s["micro_batches"] for s in r["steps"]], name
         assert all(s["micro_batches"] == 2 for s in r["steps"])
+
+
+def test_memory_guard_bounds_the_job_by_its_largest_rank(results):
+    """Two ranks, the default limit, each rank's torchtune baseline: every step's decision is the one the
+    element-wise maximum of both ranks' figures gives (all-reduced in the step), and at least one step
+    defers the gradient sync although one rank's own share alone would not have allowed it. The run equals
+    one rank with the step's 8 samples in one micro-batch."""
+    from torchtune_ext.memory import MemoryGuard
+
+    r = results["lora_n16_w2_b2_ga2_once_grouped_guard_baseline"]
+    guard = MemoryGuard(tiny_model(), torch.device("cpu"), available=lambda _device: None)
+    units = r["fsdp_units"] - 1  # the root holds no adapter
+    per_rank = list(zip(*r["step_needs_by_rank"]))
+    assert len(per_rank) == len(r["steps"]) == 2
+    job_only = 0
+    for needs, step, scatters, once in zip(per_rank, r["steps"], r["reduce_scatters"], r["once_per_step_modes"]):
+        job_once, job_defer = guard.decide_step([max(v) for v in zip(*needs)])
+        assert once == job_once
+        assert scatters == (units if once or job_defer else units * step["micro_batches"])
+        job_only += job_defer and not all(guard.decide_step(own)[1] for own in needs)
+    assert job_only >= 1
+    assert_same_run(r, results["lora_n16_w1_b8_ga1_once"], "lora_n16_w2_b2_ga2_once_grouped_guard_baseline")
 
 
 def test_cpu_offload_policy_applied(results):
