@@ -196,8 +196,8 @@ REALISTIC_GROUPS = (
     Group("full", 1, 4, _REALISTIC_1DEV + (HF_TRAINER, OURS_PACKED, OURS_PACKED_2048), batch_size=8, max_seq_len=512,
           tag="b8"),
     Group("lora", 1, 4, _REALISTIC_1DEV, batch_size=8, max_seq_len=512, tag="b8"),
-    Group("full", 2, 4, (UPSTREAM, OURS_ONCE, OURS_UNGROUPED, OURS_ONCE_DEVICE), batch_size=4, max_seq_len=512,
-          tag="b4"),
+    Group("full", 2, 4, (UPSTREAM, OURS_ONCE, OURS_UNGROUPED, OURS_ONCE_DEVICE, OURS_PACKED), batch_size=4,
+          max_seq_len=512, tag="b4"),
     # the HF Trainer at the benchmark's usual batch 1 (there grouping changes nothing;
     # a token budget lets the step's samples share a micro-batch)
     Group("full", 1, 4, (OURS_ONCE, OURS_BUDGET, OURS_PACKED, HF_TRAINER, OURS_ONCE_DEVICE), batch_size=1,

@@ -32,7 +32,7 @@ def test_realistic_matrix():
         *(f"full_1dev_ga4_b8_{v}" for v in (UPSTREAM, OURS_ONCE, OURS_EACH, OURS_UNGROUPED, OURS_ONCE_DEVICE,
                                             HF_TRAINER, OURS_PACKED, OURS_PACKED_2048)),
         *(f"lora_1dev_ga4_b8_{v}" for v in (UPSTREAM, OURS_ONCE, OURS_EACH, OURS_UNGROUPED, OURS_ONCE_DEVICE)),
-        *(f"full_2proc_ga4_b4_{v}" for v in (UPSTREAM, OURS_ONCE, OURS_UNGROUPED, OURS_ONCE_DEVICE)),
+        *(f"full_2proc_ga4_b4_{v}" for v in (UPSTREAM, OURS_ONCE, OURS_UNGROUPED, OURS_ONCE_DEVICE, OURS_PACKED)),
         "full_1dev_ga4_b1_ours_once", "full_1dev_ga4_b1_ours_budget", "full_1dev_ga4_b1_ours_packed",
         "full_1dev_ga4_b1_hf_trainer", "full_1dev_ga4_b1_ours_once_device",
     }
@@ -101,8 +101,8 @@ def test_dry_run_lists_every_realistic_case(capsys):
     out = capsys.readouterr().out
     for case in PROFILES["realistic"].cases():
         assert f"/{case.name}/probe.json" in out
-    assert out.count("bench.hf_trainer") == 2 and out.count("--nproc_per_node=2") == 4
-    assert out.count("max_tokens_per_micro_batch=1024") == 3 and out.count("pack_micro_batches=true") == 3
+    assert out.count("bench.hf_trainer") == 2 and out.count("--nproc_per_node=2") == 5
+    assert out.count("max_tokens_per_micro_batch=1024") == 4 and out.count("pack_micro_batches=true") == 4
     assert out.count("max_tokens_per_micro_batch=2048") == 1
 
 
