@@ -469,7 +469,8 @@ class MemoryGuard:
             if rank in (None, 0):
                 level = logging.INFO if self._last_fallback == "device" else logging.DEBUG
                 log.log(level, "Step %d: backward once per step again (estimated %.2f GiB%s, %s available).", step,
-                        self._job_needs[0] / GIB, "" if rank is None else " on the largest rank",
+                        self._job_needs[0] / GIB, " on the largest rank" if dist.is_initialized()
+                        and dist.get_world_size() > 1 else "",
                         _gib(self._available(self.device)))
             return
         why = self._why_not or "peer"
