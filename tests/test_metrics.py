@@ -132,3 +132,25 @@ def test_wandb_offline_run_receives_metrics_and_config(tmp_path):
     rows = [r for r in run["history"] if "loss" in r]
     assert [(r["global_step"], r["loss"], r["num_tokens"]) for r in rows] == [(1, 0.75, 10), (2, 0.5, 12)]
     assert run["config"]["batch_size"] == 3
+
+
+def test_log_lines_during_training_are_written_above_the_progress_bar(monkeypatch, tmp_path):
+    """A line logged while the bar is shown (the memory guard's, a checkpoint save) starts a line of its
+    own instead of being appended to the bar's; after close() the logger's handler is the original again."""
+    import io
+    import logging
+
+    from torchtune_ext import metrics
+    from torchtune_ext.metrics import StepReporter
+
+    console = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", console)  # where the bar and a console handler write
+    handler = logging.StreamHandler(console)
+    monkeypatch.setattr(metrics.log, "handlers", [handler])
+    reporter = StepReporter(MetricLogger(tmp_path / "metrics.jsonl"), torch.device("cpu"), total_steps=3)
+    metrics.log.warning("a line during training")
+    reporter.close()
+    before = console.getvalue().split("a line during training")[0]
+    assert "0/3" in before  # the bar was drawn first
+    assert before.endswith(("\r", "\n")), repr(before[-40:])
+    assert metrics.log.handlers == [handler]

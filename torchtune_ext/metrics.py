@@ -8,6 +8,7 @@ writes; other ranks hold a logger that does nothing, so the training loop has
 no rank branches.
 """
 
+import contextlib
 import json
 import os
 import resource
@@ -419,6 +420,7 @@ class StepReporter:
                  peak_tflops_per_device: Optional[float] = None, log_peak_memory: bool = True,
                  profiler: Optional[Any] = None):
         from tqdm import tqdm
+        from tqdm.contrib.logging import logging_redirect_tqdm
 
         self._logger, self._device = logger, device
         self._log_every, self._dp_world_size = log_every_n_steps, dp_world_size
@@ -434,6 +436,11 @@ class StepReporter:
             if self._peak is not None:
                 log.info("MFU against %.3g TFLOP/s per device (%s).", self._peak, source)
         self._bar = tqdm(total=total_steps, initial=initial_step, dynamic_ncols=True, disable=rank != 0)
+        # Log lines during training (the memory guard's, checkpoint saves) would otherwise land on the
+        # bar's line: tqdm's redirect writes the console handlers' lines above the bar until close().
+        self._console = contextlib.ExitStack()
+        if rank == 0:
+            self._console.enter_context(logging_redirect_tqdm(loggers=[log]))
 
     def start_step(self) -> None:
         reset_peak_memory(self._device)
@@ -456,6 +463,7 @@ class StepReporter:
 
     def close(self) -> None:
         self._bar.close()
+        self._console.close()
         if self._profiler is not None:
             self._profiler.stop()
 
