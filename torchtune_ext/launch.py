@@ -137,7 +137,11 @@ def _rank() -> int:
 def report_and_exit(message: str, status: int) -> None:
     """Print ``message`` on rank 0, leave it for torchrun's launcher, and exit with ``status``."""
     if _rank() == 0:
-        print(message, file=sys.stderr, flush=True)
+        from tqdm import tqdm
+
+        # a progress bar may still be drawn (an error during training): the line goes above it
+        tqdm.write(message, file=sys.stderr)
+        sys.stderr.flush()
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
         try:

@@ -128,12 +128,16 @@ class GracefulStop:
             step: optimizer steps completed.
         """
         if self._rank == 0:
+            from tqdm import tqdm
+
+            # the main thread, not a handler: tqdm.write puts the line above a progress bar still drawn
+            say = lambda text: tqdm.write(text, file=sys.stderr)  # noqa: E731
             cause = signal.Signals(self._signal).name if self._signal is not None else "a signal on another rank"
             if checkpoint is None:
-                _say(f"Stopped on {cause} before the first optimizer step: nothing to save, start again with the "
+                say(f"Stopped on {cause} before the first optimizer step: nothing to save, start again with the "
                      f"same command (exit status {STOPPED_EXIT_STATUS})")
             else:
-                _say(f"Stopped on {cause} after optimizer step {step}; checkpoint: {checkpoint}. "
+                say(f"Stopped on {cause} after optimizer step {step}; checkpoint: {checkpoint}. "
                      f"Continue with: {resume_command()}  (exit status {STOPPED_EXIT_STATUS})")
             if os.environ.get(STOP_FILE_ENV):  # tell torchrun's launcher (torchtune_ext.launch)
                 with open(os.environ[STOP_FILE_ENV], "w") as f:
