@@ -134,14 +134,21 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0") or 0)
 
 
+def write_line(text: str) -> None:
+    """Write ``text`` as one line of stderr, above the training progress bar if one is still drawn.
+
+    For the main thread (tqdm takes a lock); a signal handler writes with ``os.write`` instead.
+    """
+    from tqdm import tqdm
+
+    tqdm.write(text, file=sys.stderr)
+    sys.stderr.flush()
+
+
 def report_and_exit(message: str, status: int) -> None:
     """Print ``message`` on rank 0, leave it for torchrun's launcher, and exit with ``status``."""
     if _rank() == 0:
-        from tqdm import tqdm
-
-        # a progress bar may still be drawn (an error during training): the line goes above it
-        tqdm.write(message, file=sys.stderr)
-        sys.stderr.flush()
+        write_line(message)  # an error during training may come while the progress bar is drawn
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
         try:

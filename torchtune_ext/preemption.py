@@ -39,7 +39,7 @@ from typing import Dict, Optional
 import torch
 import torch.distributed as dist
 
-from torchtune_ext.launch import EXIT_STOPPED, STOP_FILE_ENV
+from torchtune_ext.launch import EXIT_STOPPED, STOP_FILE_ENV, write_line
 
 STOPPED_EXIT_STATUS = EXIT_STOPPED  # 75, EX_TEMPFAIL: a checkpoint was saved; resume to continue
 REPEAT_WINDOW_S = 1.0
@@ -127,18 +127,14 @@ class GracefulStop:
                 from), None if the run stopped before its first step.
             step: optimizer steps completed.
         """
-        if self._rank == 0:
-            from tqdm import tqdm
-
-            # the main thread, not a handler: tqdm.write puts the line above a progress bar still drawn
-            say = lambda text: tqdm.write(text, file=sys.stderr)  # noqa: E731
+        if self._rank == 0:  # the main thread, with the progress bar maybe still drawn
             cause = signal.Signals(self._signal).name if self._signal is not None else "a signal on another rank"
             if checkpoint is None:
-                say(f"Stopped on {cause} before the first optimizer step: nothing to save, start again with the "
-                     f"same command (exit status {STOPPED_EXIT_STATUS})")
+                write_line(f"Stopped on {cause} before the first optimizer step: nothing to save, start again "
+                           f"with the same command (exit status {STOPPED_EXIT_STATUS})")
             else:
-                say(f"Stopped on {cause} after optimizer step {step}; checkpoint: {checkpoint}. "
-                     f"Continue with: {resume_command()}  (exit status {STOPPED_EXIT_STATUS})")
+                write_line(f"Stopped on {cause} after optimizer step {step}; checkpoint: {checkpoint}. "
+                           f"Continue with: {resume_command()}  (exit status {STOPPED_EXIT_STATUS})")
             if os.environ.get(STOP_FILE_ENV):  # tell torchrun's launcher (torchtune_ext.launch)
                 with open(os.environ[STOP_FILE_ENV], "w") as f:
                     f.write(str(checkpoint))
