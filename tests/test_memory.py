@@ -219,6 +219,11 @@ def _baseline_needing(shape, n):
     return [MicroBatchShape(1, rows, rows)]
 
 
+def _largest(*ranks_needs):
+    """The element-wise maximum of ranks' ``step_needs``, as the training step all-reduces them."""
+    return [max(values) for values in zip(*ranks_needs)]
+
+
 def test_default_limit_bounds_the_job_by_its_largest_rank():
     """Two ranks' figures combined as the training step combines them (the element-wise maximum over
     ranks, one all-reduce): a rank whose once-per-step estimate is above its own share of torchtune's
@@ -234,8 +239,7 @@ def test_default_limit_bounds_the_job_by_its_largest_rank():
 
     def job(baselines):
         needs = [guard.step_needs(shapes, baseline) for guard, baseline in zip(guards, baselines)]
-        largest = [max(values) for values in zip(*needs)]
-        return [guard.decide_step(largest)[0] for guard in guards], needs
+        return [guard.decide_step(_largest(*needs))[0] for guard in guards], needs
 
     assert not guards[0].fits_once_per_step(shapes, small)  # alone, rank 0's own share would refuse it
     assert guards[1].fits_once_per_step(shapes, large)
@@ -247,13 +251,13 @@ def test_default_limit_bounds_the_job_by_its_largest_rank():
 
     # once_per_step_memory_limit=device: torchtune's need bounds nothing, on any rank
     device_only = [MemoryGuard(model, CPU, available=lambda _device, r=r: free[r], limit="device") for r in (0, 1)]
-    both = [max(v) for v in zip(device_only[0].step_needs(shapes, small), device_only[1].step_needs(shapes, small))]
+    both = _largest(*(guard.step_needs(shapes, small) for guard in device_only))
     assert [guard.decide_step(both)[0] for guard in device_only] == [True, True]
 
     free[1] = 0
     assert job([large, large])[0] == [False, False]
     assert [guard._why_not for guard in guards] == ["peer", "device"]
-    both = [max(v) for v in zip(device_only[0].step_needs(shapes, small), device_only[1].step_needs(shapes, small))]
+    both = _largest(*(guard.step_needs(shapes, small) for guard in device_only))
     assert [guard.decide_step(both)[0] for guard in device_only] == [False, False]
     assert [guard._why_not for guard in device_only] == ["peer", "device"]
     with pytest.raises(ValueError, match="5 values"):
@@ -274,7 +278,7 @@ def test_deferred_sync_is_decided_for_the_job_too():
     assert deferred > step_peak_bytes(guards[0].shape, shapes, once_per_step=False)  # the unsharded gradients
     small, large = [MicroBatchShape(1, 1, 1)], _baseline_needing(guards[0].shape, deferred)
     assert not guards[0].fits_deferred_sync(shapes, small) and guards[1].fits_deferred_sync(shapes, large)
-    both = [max(v) for v in zip(guards[0].step_needs(shapes, small), guards[1].step_needs(shapes, large))]
+    both = _largest(guards[0].step_needs(shapes, small), guards[1].step_needs(shapes, large))
     assert [guard.decide_step(both)[1] for guard in guards] == [True, True]
 
 
