@@ -53,6 +53,26 @@ def _epoch_order(size: int, seed: int) -> List[int]:
     return epoch_order(size, 0, seed, True)
 
 
+def recording_collate(probe: Probe, pad_id: int, ga: int):
+    """torchtune's ``padded_collate_sft`` for the Trainer, recording each micro-batch in ``probe``.
+
+    A micro-batch's optimizer step is its position // ``ga``, not the steps
+    finished when it is collated (what the probe records for the recipes):
+    the Trainer's data loader (accelerate's) fetches one batch ahead, so the
+    first micro-batch of step k + 1 is collated before step k ends.
+    Attributing it by time moved one sample per step into the step before.
+    """
+    from torchtune.data import padded_collate_sft
+
+    def collate(samples: List[Dict[str, Any]]) -> Dict[str, torch.Tensor]:
+        batch = padded_collate_sft(samples, padding_idx=pad_id, ignore_idx=IGNORE_INDEX)
+        probe.micro_batch(samples, batch, step_index=len(probe.data["micro_batches"]) // ga)
+        # right padding under a causal mask: real tokens never see the padding, so no attention mask
+        return {"input_ids": batch["tokens"], "labels": batch["labels"]}
+
+    return collate
+
+
 def _load_config(path: str, overrides: Sequence[str]):
     from omegaconf import OmegaConf
 
@@ -78,7 +98,6 @@ def main(argv: Optional[List[str]] = None) -> None:
     import transformers
     from torch.optim.optimizer import register_optimizer_step_post_hook
     from torchtune import config as tt_config
-    from torchtune.data import padded_collate_sft
     from transformers import LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
     register_optimizer_step_post_hook(probe.optimizer_step)
@@ -91,11 +110,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     ga = int(cfg.gradient_accumulation_steps)
     batch_size = int(cfg.batch_size)
 
-    def collate(samples: List[Dict[str, Any]]) -> Dict[str, torch.Tensor]:
-        batch = padded_collate_sft(samples, padding_idx=tokenizer.pad_id, ignore_idx=IGNORE_INDEX)
-        probe.micro_batch(samples, batch)
-        # right padding under a causal mask: real tokens never see the padding, so no attention mask
-        return {"input_ids": batch["tokens"], "labels": batch["labels"]}
+    collate = recording_collate(probe, tokenizer.pad_id, ga)
 
     class StepOrder(torch.utils.data.Sampler):
         """Our recipes' epoch order (``DistributedSampler``'s permutation of one replica)."""

@@ -114,7 +114,9 @@ class Probe:
     def optimizer_step(self, *_) -> None:
         self.data["optimizer_steps"].append({"time": time.perf_counter(), "peak_bytes": self.peak_bytes()})
 
-    def micro_batch(self, batch: List[Dict[str, Any]], collated: Dict[str, Any]) -> None:
+    def micro_batch(self, batch: List[Dict[str, Any]], collated: Dict[str, Any],
+                    step_index: Optional[int] = None) -> None:
+        """Record a collated micro-batch; ``step_index`` (0-based optimizer step) defaults to the steps finished."""
         self.start_peak_window()
         non_padding = trainable_pre = trainable_post = 0
         for sample in batch:
@@ -129,7 +131,8 @@ class Probe:
             "padded_shape": list(tokens.shape) if isinstance(tokens, torch.Tensor) else None,
             # the optimizer steps finished so far: the step this micro-batch belongs to (0-based);
             # counted by both hooks, since upstream's distributed recipes log (step_end) on rank 0 only
-            "step_index": max(len(self.data["step_ends"]), len(self.data["optimizer_steps"])),
+            "step_index": (max(len(self.data["step_ends"]), len(self.data["optimizer_steps"]))
+                           if step_index is None else step_index),
         })
 
     def timed(self, piece: str, fn: Callable) -> Callable:

@@ -135,6 +135,24 @@ def test_probe_tags_micro_batches_with_their_step_on_a_rank_that_does_not_log(tm
         assert [mb["step_index"] for mb in probe.data["micro_batches"]] == [0, 0, 1, 1, 2, 2]
 
 
+def test_hf_trainer_micro_batches_belong_to_their_step_despite_the_lookahead(tmp_path):
+    """The Trainer's loader collates the next step's first micro-batch before the step ends; it still
+    counts for the next step (collation time put one sample per step into the step before)."""
+    from bench.hf_trainer import recording_collate
+
+    probe = Probe(tmp_path / "probe.json", "hf", "transformers.Trainer", [])
+    probe._peak_started = True
+    collate = recording_collate(probe, pad_id=0, ga=2)
+    sample = [{"tokens": [1, 2, 3], "labels": [1, 2, 3]}]
+    collate(sample)  # fetched ahead of step 1
+    for _step in range(3):
+        collate(sample)  # the lookahead: the step's last micro-batch is out, the next step's first comes in
+        probe.optimizer_step()
+        probe.step_end()
+    assert [mb["step_index"] for mb in probe.data["micro_batches"]] == [0, 0, 1, 1]
+    assert collate(sample)["input_ids"].tolist() == [[1, 2, 3]]
+
+
 def _run(losses, tps_tokens=100, peak=1.0):
     steps = [{"step": k + 1, "period": None if k == 0 else 1.0, "non_padding_tokens": tps_tokens,
               "trainable_tokens": 10, "trainable_tokens_pre_shift": 10, "padded_tokens": 2 * tps_tokens,
