@@ -29,6 +29,11 @@ def _share_the_cores() -> None:
 
 _share_the_cores()
 
+# torch.compile (test_compile_matches_eager) compiles in this process instead of
+# starting inductor's pool of compile workers: the pool's start-up was most of
+# that test's time (45 s alone, 100 s next to another worker; 10 s without it).
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
 
 def pytest_configure(config):
     # In the processes that run tests: xdist workers, or the only process with -n 0 (not xdist's controller).
