@@ -71,8 +71,9 @@ def step_periods(step_end_times: Sequence[float]) -> Dict[int, float]:
 def micro_batches_of_step(rank_batches: Sequence[Mapping[str, Any]], ga: int, k: int) -> List[Mapping[str, Any]]:
     """One rank's micro-batches of optimizer step ``k`` (0-based), in order.
 
-    Probes record ``step_index`` (the optimizer steps finished when the
-    micro-batch was collated): a token budget can make a step's micro-batch
+    Probes record ``step_index``, the step the micro-batch trains in (for the
+    recipes, the optimizer steps finished when it was collated; for the HF
+    Trainer, whose loader fetches ahead, its position // ``ga``): a token budget can make a step's micro-batch
     count differ from ``ga``. Records without it (older probes) are taken
     ``ga`` at a time. Extra micro-batches fetched after the last step are ignored.
 

@@ -1,97 +1,123 @@
-"""The token embedding's gradient, dense vs sparse rows, on a real-size micro-batch (an experiment).
+"""The tied token embedding's gradient, three ways, on real-size micro-batches.
 
-    python -m bench.embedding_grad [--seq-len 128] [--trainable 0.5] [--repeats 5]
+    python -m bench.embedding_grad [--seq-len 128] [--micro-batches 4] [--trainable 0.5] [--repeats 5]
 
-SmolLM2-135M (random weights, tied embedding, the loss applying the output
-projection as the recipes do) forwards and backpropagates one micro-batch of
-``--seq-len`` random tokens, the first ``1 - trainable`` of them masked (a
-prompt), alternately with the embedding's dense backward (torch's default,
-what the recipes use) and with ``nn.Embedding(sparse=True)``, whose backward
-returns only the used rows, which autograd adds to the tied output
-projection's dense gradient. Prints, per way, the median forward + backward
-time over ``--repeats`` after one warm-up, the time of the embedding's
-backward node alone (torch.profiler, one more micro-batch), and the largest
-difference of the weight's gradients. Nothing is written.
+SmolLM2-135M (random weights, embedding tied to the output projection, the
+loss applying the projection as the recipes do) forwards and backpropagates
+``--micro-batches`` micro-batches of ``--seq-len`` random tokens each (the
+first ``1 - trainable`` of every row masked, as a prompt), gradients
+accumulating as in one optimizer step, then zeroes them. Three copies of the
+model, same weights, take turns (the order alternates every repeat):
 
-On the 2-core CPU of docs/benchmarks.md the node shrank (88-103 ms to 35-67
-ms at 128 tokens) but the whole forward + backward did not, consistently (911
-vs 989 ms and 950 vs 871 ms in two runs): autograd adds the sparse rows to the
-dense gradient out of place, a copy of the whole gradient. So the recipes keep
-the dense backward.
+* ``autograd (dense)``: torch's default; ``nn.Embedding``'s backward builds a
+  zero-filled ``[vocab, hidden]`` gradient holding the micro-batch's rows;
+* ``sparse rows``: ``nn.Embedding(sparse=True)``; autograd adds the sparse
+  rows to the projection's dense gradient (an experiment, not used);
+* ``rows into .grad``: :func:`torchtune_ext.runtime.embedding_rows_into_grad`,
+  what the single-device full recipe does on CPU.
+
+Prints, per way, the median time of such a step over ``--repeats`` after one
+warm-up, what torch.profiler charges to the ``[vocab, hidden]``-sized
+operations of one more step (zero fills, adds, copies), and the largest
+difference of the embedding weight's gradient to the dense way's. Nothing is
+written.
 """
 
 import argparse
 import statistics
 import time
+from typing import Dict
 
 import torch
 
 from torchtune_ext.loss import SummedCrossEntropyLoss
 from torchtune_ext.models import smollm2_135m
+from torchtune_ext.runtime import embedding_rows_into_grad
 
 IGNORE = -100
+WAYS = ("autograd (dense)", "sparse rows", "rows into .grad")
 
 
-def _micro_batch(seq_len: int, trainable: float):
-    tokens = torch.randint(0, 49_152, (1, seq_len), generator=torch.Generator().manual_seed(0))
-    labels = torch.full_like(tokens, IGNORE)
-    start = int(seq_len * (1 - trainable))
-    labels[:, start:-1] = tokens[:, start + 1:]  # already shifted
-    return tokens, labels
+def _micro_batches(n: int, seq_len: int, trainable: float):
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(n):
+        tokens = torch.randint(0, 49_152, (1, seq_len), generator=g)
+        labels = torch.full_like(tokens, IGNORE)
+        start = int(seq_len * (1 - trainable))
+        labels[:, start:-1] = tokens[:, start + 1:]  # already shifted
+        out.append((tokens, labels))
+    return out
 
 
-def _fwd_bwd(model, loss_fn, tokens, labels) -> float:
+def _step(model, loss_fn, micro_batches) -> float:
+    model.zero_grad(set_to_none=True)
     start = time.perf_counter()
-    sums = loss_fn(model(tokens), labels)
-    (sums.loss / max(1, int((labels != IGNORE).sum()))).backward()
+    for tokens, labels in micro_batches:
+        sums = loss_fn(model(tokens), labels)
+        (sums.loss / 100).backward()
     return time.perf_counter() - start
 
 
-def _embedding_backward_ms(model, loss_fn, tokens, labels) -> float:
+def _vocab_sized_ms(model, loss_fn, micro_batches, vocab: int) -> Dict[str, float]:
     from torch.profiler import ProfilerActivity, profile
 
-    model.zero_grad(set_to_none=True)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        _fwd_bwd(model, loss_fn, tokens, labels)
-    return sum(e.cpu_time_total for e in prof.key_averages()
-               if e.key.startswith("autograd::engine::evaluate_function: EmbeddingBackward")) / 1e3
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        _step(model, loss_fn, micro_batches)
+    totals: Dict[str, float] = {}
+    for e in prof.key_averages(group_by_input_shape=True):
+        shapes = e.input_shapes or []
+        if e.key in ("aten::fill_", "aten::add", "aten::add_", "aten::copy_", "aten::index_add_") \
+                and shapes and list(shapes[0])[:1] == [vocab]:
+            totals[e.key] = totals.get(e.key, 0.0) + e.self_cpu_time_total / 1e3
+    return totals
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.embedding_grad")
     parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--trainable", type=float, default=0.5)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
 
     torch.manual_seed(0)
-    models = {"dense": smollm2_135m(max_seq_len=args.seq_len), "sparse rows": smollm2_135m(max_seq_len=args.seq_len)}
-    models["sparse rows"].load_state_dict(models["dense"].state_dict())
-    models["sparse rows"].tok_embeddings.sparse = True  # the output projection is tied to this weight
+    models = {way: smollm2_135m(max_seq_len=args.seq_len) for way in WAYS}
+    state = models[WAYS[0]].state_dict()
+    for model in models.values():
+        model.load_state_dict(state)
+    models["sparse rows"].tok_embeddings.sparse = True
+    if not embedding_rows_into_grad(models["rows into .grad"], torch.device("cpu")):
+        raise SystemExit("embedding_rows_into_grad did not apply to SmolLM2-135M")
     losses = {}
-    for name, model in models.items():
-        losses[name] = SummedCrossEntropyLoss(ignore_index=IGNORE)
-        losses[name].take_output_projection(model)
-    tokens, labels = _micro_batch(args.seq_len, args.trainable)
+    for way, model in models.items():
+        losses[way] = SummedCrossEntropyLoss(ignore_index=IGNORE)
+        losses[way].take_output_projection(model)
+    micro_batches = _micro_batches(args.micro_batches, args.seq_len, args.trainable)
 
-    times = {name: [] for name in models}
+    times = {way: [] for way in WAYS}
     for i in range(args.repeats + 1):
-        for name in (list(models) if i % 2 == 0 else list(models)[::-1]):
-            models[name].zero_grad(set_to_none=True)
-            seconds = _fwd_bwd(models[name], losses[name], tokens, labels)
+        for way in (WAYS if i % 2 == 0 else WAYS[::-1]):
+            seconds = _step(models[way], losses[way], micro_batches)
             if i:  # the first round warms up
-                times[name].append(seconds)
-    grads = {name: model.tok_embeddings.weight.grad for name, model in models.items()}
-    diff = ((grads["sparse rows"] - grads["dense"]).abs().max() / grads["dense"].abs().max()).item()
+                times[way].append(seconds)
+    reference = models[WAYS[0]].tok_embeddings.weight.grad
 
-    print(f"SmolLM2-135M, 1 x {args.seq_len} tokens ({args.trainable:.0%} trainable), "
-          f"{torch.get_num_threads()} threads, median of {args.repeats}")
-    print("| embedding gradient | forward + backward (ms) | embedding backward node (ms) |")
-    print("|---|---:|---:|")
-    for name, model in models.items():
-        node = _embedding_backward_ms(model, losses[name], tokens, labels)
-        print(f"| {name} | {statistics.median(times[name]) * 1e3:.0f} | {node:.1f} |")
-    print(f"max relative difference of the embedding weight's gradient: {diff:.1e}")
+    vocab = reference.size(0)
+    print(f"SmolLM2-135M, {args.micro_batches} micro-batches of 1 x {args.seq_len} tokens "
+          f"({args.trainable:.0%} trainable), {torch.get_num_threads()} threads, median of {args.repeats}")
+    print("| embedding gradient | step (s) | vs autograd | vocab-sized fill / add / add_ / copy_ / index_add_ (ms) "
+          "| max rel. diff of the gradient |")
+    print("|---|---:|---:|---|---:|")
+    base = statistics.median(times[WAYS[0]])
+    for way in WAYS:
+        grad = models[way].tok_embeddings.weight.grad
+        diff = ((grad - reference).abs().max() / reference.abs().max()).item()
+        ops = _vocab_sized_ms(models[way], losses[way], micro_batches, vocab)
+        cost = " / ".join(f"{ops.get(k, 0.0):.0f}" for k in
+                          ("aten::fill_", "aten::add", "aten::add_", "aten::copy_", "aten::index_add_"))
+        median = statistics.median(times[way])
+        print(f"| {way} | {median:.3f} | {median / base:.3f} | {cost} | {diff:.1e} |")
 
 
 if __name__ == "__main__":

@@ -109,6 +109,11 @@ def main(argv: Optional[List[str]] = None) -> None:
     steps = int(cfg.max_steps_per_epoch)
     ga = int(cfg.gradient_accumulation_steps)
     batch_size = int(cfg.batch_size)
+    if steps * ga * batch_size > len(dataset):
+        # a second epoch would start with a short step: position // GA would no longer
+        # give a micro-batch's step, and our recipes would train other samples by then
+        raise SystemExit(f"bench.hf_trainer: {steps} steps x {ga} x {batch_size} samples is more than the "
+                         f"dataset's {len(dataset)}; one epoch only")
 
     collate = recording_collate(probe, tokenizer.pad_id, ga)
 

@@ -39,7 +39,7 @@ from torchtune_ext.preflight import check_components
 from torchtune_ext.preemption import GracefulStop
 from torchtune_ext.resume import check_resume, restore_training
 from torchtune_ext.run_lock import OutputDirLock
-from torchtune_ext.runtime import build_profiler, offload_activations, set_log_level
+from torchtune_ext.runtime import build_profiler, embedding_rows_into_grad, offload_activations, set_log_level
 from torchtune_ext.step import StepHealth, build_lr_scheduler, train_step
 from torchtune_ext.upstream import describe_model
 
@@ -111,6 +111,8 @@ class FullFinetuneRecipeSingleDevice:
         load_model_state(model, state_dict, source or self.cfg.checkpointer.checkpoint_dir,
                          model_name=describe_model(self.cfg))
         training.validate_expected_param_dtype(model.named_parameters(), dtype=self._dtype)
+        # Same gradients; on CPU the tied embedding adds its rows to .grad instead of a vocabulary-sized tensor.
+        embedding_rows_into_grad(model, self._device, compiled=self.cfg.compile)
         if self.cfg.compile:
             training.compile_model(model)
         self._loss_fn.take_output_projection(model)  # the model returns hidden states; the loss projects

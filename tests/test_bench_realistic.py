@@ -142,14 +142,17 @@ def test_hf_trainer_micro_batches_belong_to_their_step_despite_the_lookahead(tmp
 
     probe = Probe(tmp_path / "probe.json", "hf", "transformers.Trainer", [])
     probe._peak_started = True
-    collate = recording_collate(probe, pad_id=0, ga=2)
+    ga, steps = 2, 3
+    collate = recording_collate(probe, pad_id=0, ga=ga)
     sample = [{"tokens": [1, 2, 3], "labels": [1, 2, 3]}]
-    collate(sample)  # fetched ahead of step 1
-    for _step in range(3):
-        collate(sample)  # the lookahead: the step's last micro-batch is out, the next step's first comes in
+    # The Trainer takes a step's GA micro-batches before training it; the loader has fetched one more.
+    collate(sample)
+    for _step in range(steps):
+        for _ in range(ga):
+            collate(sample)
         probe.optimizer_step()
         probe.step_end()
-    assert [mb["step_index"] for mb in probe.data["micro_batches"]] == [0, 0, 1, 1]
+    assert [mb["step_index"] for mb in probe.data["micro_batches"]] == [0, 0, 1, 1, 2, 2, 3]
     assert collate(sample)["input_ids"].tolist() == [[1, 2, 3]]
 
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers import (
-    IGNORE, ConstantLossModel, clone, collate, constant_loss_sample, instruct_samples, rel_diff, text_samples,
+    IGNORE, VOCAB, ConstantLossModel, clone, collate, constant_loss_sample, instruct_samples, rel_diff, text_samples,
     tiny_model, windows,
 )
 from torchtune_ext.loss import SummedCrossEntropyLoss
@@ -203,3 +203,70 @@ def test_grad_norm_is_float64_accurate_on_large_gradients():
     # a single fp32 reduction is not good enough at this size: the blocks are what make the difference
     fp32 = torch.cat([p.grad for p in params]).norm().item()
     assert abs(fp32 - exact) / exact > 1e-6
+
+
+@pytest.mark.parametrize("once", [True, False], ids=["once_per_step", "per_micro_batch"])
+def test_embedding_rows_into_grad_gives_the_same_gradients_and_updates(once):
+    """The tied embedding's rows go straight into .grad: same gradient and AdamW update as autograd's dense way,
+    with a micro-batch that has nothing to learn among them; .grad stays one dense tensor."""
+    from torchtune_ext.runtime import embedding_rows_into_grad
+
+    samples = instruct_samples([10, 3, 20, 6, 15, 2], [4, 20, 2, 11, 1, 30])
+    nothing = {"tokens": [7, 8, 9, 10], "labels": [IGNORE] * 4}
+    step_windows = windows(samples[:2] + [nothing] + samples[2:], batch_size=1, grad_accum=7)
+    step_windows += windows(samples[::-1], batch_size=2, grad_accum=3)
+    default, rows = tiny_model(), tiny_model()
+    assert embedding_rows_into_grad(rows, CPU)
+    seen = []
+    for model in (default, rows):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        loss_fn = attach_loss(model)
+        grads = []
+        for w in step_windows:
+            forward_backward(model, loss_fn, w, device=CPU, backward_once_per_step=once)
+            assert model.tok_embeddings.weight.grad.layout == torch.strided
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        seen.append((grads, {n: p.detach().clone() for n, p in model.named_parameters()}))
+    (grads_d, params_d), (grads_r, params_r) = seen
+    for step_d, step_r in zip(grads_d, grads_r):
+        assert step_d["tok_embeddings.weight"].abs().sum() > 0
+        for n in step_d:
+            assert rel_diff(step_r[n], step_d[n]) <= 1e-6, n
+    for n in params_d:
+        assert rel_diff(params_r[n], params_d[n]) <= 1e-6, n
+
+
+def test_embedding_rows_into_grad_reach_optimizer_in_backward():
+    """The weight's gradient hook runs after the embedding's rows are in: the in-backward update equals the normal one."""
+    from torchtune_ext.optim_in_bwd import OptimizerInBackward
+    from torchtune_ext.runtime import embedding_rows_into_grad
+
+    step_windows = windows(instruct_samples([3, 10, 6, 2, 8, 5], [12, 2, 5, 9, 1, 14]), batch_size=2, grad_accum=3)
+    reference, rows = tiny_model(), tiny_model()
+    assert embedding_rows_into_grad(rows, CPU)
+    adamw = lambda params: torch.optim.AdamW(params, lr=1e-2)  # noqa: E731
+    for model, opt in ((reference, adamw(reference.parameters())), (rows, OptimizerInBackward(rows.parameters(), adamw))):
+        loss_fn = attach_loss(model)
+        for w in step_windows:
+            train_step(model, opt, loss_fn, w, device=CPU)
+    for (name, p), q in zip(reference.named_parameters(), rows.parameters()):
+        assert rel_diff(q.detach(), p.detach()) <= 1e-6, name
+
+
+def test_embedding_rows_into_grad_only_where_it_is_safe():
+    """Untied, frozen, with a padding_idx, on a GPU or compiled: the embedding keeps autograd's backward."""
+    from torchtune_ext.models import tiny_llama
+    from torchtune_ext.runtime import embedding_rows_into_grad
+
+    untied = tiny_llama(vocab_size=VOCAB, embed_dim=32, tie_word_embeddings=False)
+    frozen = tiny_model()
+    frozen.tok_embeddings.weight.requires_grad_(False)
+    padded = tiny_model()
+    padded.tok_embeddings.padding_idx = 0
+    cases = [(untied, CPU, False), (frozen, CPU, False), (padded, CPU, False),
+             (tiny_model(), torch.device("cuda"), False), (tiny_model(), CPU, True)]
+    for model, device, compiled in cases:
+        assert not embedding_rows_into_grad(model, device, compiled=compiled)
+        assert "forward" not in vars(model.tok_embeddings)

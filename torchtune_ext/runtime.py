@@ -6,14 +6,19 @@
   or a profiler that does nothing when it is off;
 * :func:`use_low_cpu_ram` (``low_cpu_ram``): torchtune's switch for the QLoRA
   state-dict hook that dequantizes through a memory-mapped file;
-* :func:`set_log_level` (``log_level``): the level of torchtune's logger.
+* :func:`set_log_level` (``log_level``): the level of torchtune's logger;
+* :func:`embedding_rows_into_grad`: on CPU, a tied token embedding adds its
+  rows to the weight's gradient in place instead of through a dense
+  vocabulary-sized tensor per micro-batch.
 
 None of them changes what is computed: the step's token count, loss and
-gradients are the same with or without them.
+gradients are the same with or without them (up to the order of a
+floating-point sum).
 """
 
 from typing import Any, Optional
 
+import torch
 from torch import nn
 
 
@@ -84,3 +89,74 @@ def set_log_level(level: str) -> None:
     from torchtune import utils
 
     utils.get_logger(level)
+
+
+class _EmbeddingRowsIntoGrad(torch.autograd.Function):
+    """Token embedding lookup whose backward adds the used rows straight into ``weight.grad``."""
+
+    @staticmethod
+    def forward(ctx, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(ids)
+        ctx.weight = weight
+        return torch.nn.functional.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        (ids,) = ctx.saved_tensors
+        weight = ctx.weight
+        if weight.grad is None:
+            weight.grad = torch.zeros_like(weight)
+        rows = grad_output.reshape(-1, grad_output.size(-1)).to(weight.grad.dtype)
+        weight.grad.index_add_(0, ids.reshape(-1), rows)
+        # No gradient through autograd: the weight's accumulator still runs after
+        # this node (the edge exists), with the tied output projection's gradient.
+        return None, None
+
+
+def embedding_rows_into_grad(model: nn.Module, device: torch.device, compiled: bool = False) -> bool:
+    """Let a tied token embedding add its gradient rows to the weight's ``.grad`` in place, on CPU.
+
+    With the output projection tied to the token embedding, every backward
+    sends the shared weight two gradients: the projection's, ``[vocab,
+    embed_dim]``, and the embedding's, which ``nn.Embedding``'s backward
+    builds as a zero-filled ``[vocab, embed_dim]`` tensor holding the
+    micro-batch's few rows; autograd then adds the two out of place before
+    accumulating the sum into ``.grad``. For SmolLM2-135M that is three passes
+    over 113 MB per micro-batch for a few hundred rows of 576 values
+    (``python -m bench.embedding_grad`` times it). Here the embedding's
+    backward adds its rows to ``.grad`` directly (``index_add_``; ``.grad`` is
+    created as zeros on the first micro-batch of a step) and returns no
+    gradient through autograd. The weight's gradient accumulator still runs
+    after this node, since the forward linked them, so it adds the projection's
+    gradient in place, and its hooks (``optimizer_in_bwd``) see the whole
+    gradient. ``.grad`` is an ordinary dense tensor; only the order of a
+    floating-point sum differs from the default.
+
+    Applied only where that holds and was measured: the output projection is
+    torchtune's ``TiedLinear`` over ``model.tok_embeddings`` (so every backward
+    reaches the accumulator: the loss keeps an empty chunk even when a
+    micro-batch has no trainable token), a plain ``nn.Embedding`` (no
+    ``padding_idx``, ``max_norm``, frequency scaling or sparse gradient) that
+    trains (not LoRA's frozen base), the weight is a plain tensor (not an FSDP2
+    shard), the device is a CPU and the model is not compiled.
+
+    Args:
+        model: a torchtune ``TransformerDecoder``, weights loaded.
+        device: where it trains.
+        compiled: the ``compile`` key.
+
+    Returns:
+        True if the embedding's backward now writes into ``.grad``.
+    """
+    from torchtune.modules import TiedLinear
+
+    embedding = getattr(model, "tok_embeddings", None)
+    output = getattr(model, "output", None)
+    if (device.type != "cpu" or compiled or type(embedding) is not nn.Embedding
+            or not isinstance(output, TiedLinear) or output.tied_module is not embedding
+            or embedding.padding_idx is not None or embedding.max_norm is not None
+            or embedding.scale_grad_by_freq or embedding.sparse
+            or not embedding.weight.requires_grad or type(embedding.weight.data) is not torch.Tensor):
+        return False
+    embedding.forward = lambda ids: _EmbeddingRowsIntoGrad.apply(ids, embedding.weight)
+    return True
