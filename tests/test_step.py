@@ -217,6 +217,9 @@ def test_embedding_rows_into_grad_gives_the_same_gradients_and_updates(once):
     step_windows += windows(samples[::-1], batch_size=2, grad_accum=3)
     default, rows = tiny_model(), tiny_model()
     assert embedding_rows_into_grad(rows, CPU)
+    probe_ids = torch.tensor([[1, 2, 3]])
+    assert type(rows.tok_embeddings(probe_ids).grad_fn).__name__ == "_EmbeddingRowsIntoGradBackward"
+    assert type(default.tok_embeddings(probe_ids).grad_fn).__name__ == "EmbeddingBackward0"
     seen = []
     for model in (default, rows):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
@@ -269,4 +272,18 @@ def test_embedding_rows_into_grad_only_where_it_is_safe():
              (tiny_model(), torch.device("cuda"), False), (tiny_model(), CPU, True)]
     for model, device, compiled in cases:
         assert not embedding_rows_into_grad(model, device, compiled=compiled)
-        assert "forward" not in vars(model.tok_embeddings)
+        assert type(model.tok_embeddings) is torch.nn.Embedding
+
+
+def test_a_copy_of_a_model_with_embedding_rows_into_grad_trains_its_own_weight():
+    """deepcopy (tests' clone) keeps working: the copy's rows go into the copy's .grad."""
+    from torchtune_ext.runtime import embedding_rows_into_grad
+
+    model = tiny_model()
+    assert embedding_rows_into_grad(model, CPU)
+    assert not embedding_rows_into_grad(model, CPU)  # once is enough
+    copy = clone(model)
+    loss_fn = attach_loss(copy)
+    forward_backward(copy, loss_fn, windows(instruct_samples([3], [5]), 1, 1)[0], device=CPU)
+    assert model.tok_embeddings.weight.grad is None
+    assert copy.tok_embeddings.weight.grad.abs().sum() > 0

@@ -113,6 +113,18 @@ class _EmbeddingRowsIntoGrad(torch.autograd.Function):
         return None, None
 
 
+class _RowsIntoGradEmbedding(nn.Embedding):
+    """``nn.Embedding`` whose backward adds its rows to ``weight.grad`` (see :func:`embedding_rows_into_grad`).
+
+    Set as the class of an existing embedding (no closure over the module):
+    a ``copy.deepcopy`` of the model uses its own weight, and the state dict
+    is unchanged.
+    """
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return _EmbeddingRowsIntoGrad.apply(ids, self.weight)
+
+
 def embedding_rows_into_grad(model: nn.Module, device: torch.device, compiled: bool = False) -> bool:
     """Let a tied token embedding add its gradient rows to the weight's ``.grad`` in place, on CPU.
 
@@ -131,6 +143,13 @@ def embedding_rows_into_grad(model: nn.Module, device: torch.device, compiled: b
     gradient in place, and its hooks (``optimizer_in_bwd``) see the whole
     gradient. ``.grad`` is an ordinary dense tensor; only the order of a
     floating-point sum differs from the default.
+
+    What it gives up: the embedding's share reaches ``.grad`` only, not
+    autograd's other consumers. ``torch.autograd.grad(loss, [weight])``,
+    ``backward(inputs=...)`` and a tensor hook on the weight
+    (``weight.register_hook``) see the projection's share alone (and the rows
+    still land in ``.grad``). The recipes use none of them;
+    post-accumulate-grad hooks (``optimizer_in_bwd``) see the whole gradient.
 
     Applied only where that holds and was measured: the output projection is
     torchtune's ``TiedLinear`` over ``model.tok_embeddings`` (so every backward
@@ -158,5 +177,5 @@ def embedding_rows_into_grad(model: nn.Module, device: torch.device, compiled: b
             or embedding.scale_grad_by_freq or embedding.sparse
             or not embedding.weight.requires_grad or type(embedding.weight.data) is not torch.Tensor):
         return False
-    embedding.forward = lambda ids: _EmbeddingRowsIntoGrad.apply(ids, embedding.weight)
+    embedding.__class__ = _RowsIntoGradEmbedding
     return True
