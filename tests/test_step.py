@@ -11,6 +11,7 @@ from helpers import (
     tiny_model, windows,
 )
 from torchtune_ext.loss import SummedCrossEntropyLoss
+from torchtune_ext.runtime import embedding_rows_into_grad
 from torchtune_ext.step import NonFiniteError, StepHealth, forward_backward, grad_norm_and_clip, train_step
 
 CPU = torch.device("cpu")
@@ -209,7 +210,6 @@ def test_grad_norm_is_float64_accurate_on_large_gradients():
 def test_embedding_rows_into_grad_gives_the_same_gradients_and_updates(once):
     """The tied embedding's rows go straight into .grad: same gradient and AdamW update as autograd's dense way,
     with a micro-batch that has nothing to learn among them; .grad stays one dense tensor."""
-    from torchtune_ext.runtime import embedding_rows_into_grad
 
     samples = instruct_samples([10, 3, 20, 6, 15, 2], [4, 20, 2, 11, 1, 30])
     nothing = {"tokens": [7, 8, 9, 10], "labels": [IGNORE] * 4}
@@ -244,7 +244,6 @@ def test_embedding_rows_into_grad_gives_the_same_gradients_and_updates(once):
 def test_embedding_rows_into_grad_reach_optimizer_in_backward():
     """The weight's gradient hook runs after the embedding's rows are in: the in-backward update equals the normal one."""
     from torchtune_ext.optim_in_bwd import OptimizerInBackward
-    from torchtune_ext.runtime import embedding_rows_into_grad
 
     step_windows = windows(instruct_samples([3, 10, 6, 2, 8, 5], [12, 2, 5, 9, 1, 14]), batch_size=2, grad_accum=3)
     reference, rows = tiny_model(), tiny_model()
@@ -261,7 +260,6 @@ def test_embedding_rows_into_grad_reach_optimizer_in_backward():
 def test_embedding_rows_into_grad_only_where_it_is_safe():
     """Untied, frozen, with a padding_idx, on a GPU or compiled: the embedding keeps autograd's backward."""
     from torchtune_ext.models import tiny_llama
-    from torchtune_ext.runtime import embedding_rows_into_grad
 
     untied = tiny_llama(vocab_size=VOCAB, embed_dim=32, tie_word_embeddings=False)
     frozen = tiny_model()
@@ -277,8 +275,6 @@ def test_embedding_rows_into_grad_only_where_it_is_safe():
 
 def test_a_copy_of_a_model_with_embedding_rows_into_grad_trains_its_own_weight():
     """deepcopy (tests' clone) keeps working: the copy's rows go into the copy's .grad."""
-    from torchtune_ext.runtime import embedding_rows_into_grad
-
     model = tiny_model()
     assert embedding_rows_into_grad(model, CPU)
     assert not embedding_rows_into_grad(model, CPU)  # once is enough
