@@ -42,13 +42,17 @@ def test_yaml_syntax_error_names_file_line_and_column(yaml_file):
     (["--config", "FILE", "~nothing"], ["'~nothing'", "not a key"]),
     (["--config", "FILE", "batch_size"], ["'batch_size'", "expected key=value"]),
     (["--config", "FILE", "--batch_size=3"], ["'--batch_size=3'", "only --config"]),
-], ids=["missing", "remove-component", "remove-unknown", "no-value", "flag"])
+    # torchtune's parser reads the last --config given
+    (["--config", "FILE", "--config", "/nonexistent.yaml"], ["'/nonexistent.yaml' does not exist"]),
+    (["--config", "/nonexistent.yaml", "--config=FILE", "~nothing"], ["'~nothing'", "not a key of 'FILE'"]),
+], ids=["missing", "remove-component", "remove-unknown", "no-value", "flag", "second-config-missing",
+        "last-config-read"])
 def test_command_line_mistakes(yaml_file, argv, words):
     path = yaml_file("model:\n  _component_: torchtune_ext.models.tiny_llama\nbatch_size: 2\n")
     with pytest.raises(UserError) as err:
-        check_command_line([path if a == "FILE" else a for a in argv])
+        check_command_line([path if a == "FILE" else a.replace("=FILE", f"={path}") for a in argv])
     for word in words:
-        assert word in str(err.value)
+        assert word.replace("FILE", path) in str(err.value)
     check_command_line(["--config", path, "batch_size=3", "~batch_size", "model.embed_dim=32"])  # all fine
 
 
@@ -212,8 +216,10 @@ def child_failure(tmp_path, rank, exitcode, message=None):
     ({0: (2, "error: bad"), 1: (2, "error: bad")}, 2, ""),  # rank 0 printed it
     ({0: (-15, "error: bad"), 1: (2, "error: bad")}, 2, ""),  # rank 0 printed it, then torchrun stopped it
     ({0: (-15, None), 1: (3, "error: training stopped: x")}, 3, "error: training stopped: x (rank 1)\n"),
+    ({0: (-15, None), 1: (74, "error: saving step_2 in 'x' failed")}, 74,
+     "error: saving step_2 in 'x' failed (rank 1)\n"),  # a failed save (EX_IOERR)
     ({0: (1, None), 1: (-15, None)}, None, ""),  # a crash: torchrun's own report
-], ids=["all-ranks", "rank0-then-stopped", "other-rank-only", "crash"])
+], ids=["all-ranks", "rank0-then-stopped", "other-rank-only", "save-failed", "crash"])
 def test_launcher_exits_quietly_when_the_workers_reported(tmp_path, capsys, failures, status, printed):
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 

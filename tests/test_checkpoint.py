@@ -14,7 +14,7 @@ from helpers import tiny_lora_model, tiny_model
 from torchtune_ext import checkpoint
 from torchtune_ext.checkpoint import (
     CheckpointManager,
-    DiskSpaceError,
+    CheckpointSaveError,
     Progress,
     expected_checkpoint_bytes,
     latest_checkpoint,
@@ -59,7 +59,9 @@ def test_save_writes_manifest_and_state(manager):
 def test_failed_save_leaves_previous_checkpoint_intact(manager):
     first = save(manager, 1, b"first")
     FakeCheckpointer.fail_next_save = True
-    with pytest.raises(OSError, match="simulated"):
+    with pytest.raises(CheckpointSaveError, match=r"saving step_2 in .* failed \(OSError: disk full \(simulated\)\): "
+                       "the partial checkpoint was removed and .*step_1 is intact: fix the cause, then continue "
+                       "with resume_from_checkpoint=true$"):
         save(manager, 2, b"second")
     assert list_checkpoints(str(manager.output_dir)) == [first]
     assert latest_checkpoint(str(manager.output_dir)) == first
@@ -74,7 +76,7 @@ def test_prune_keeps_last_n_after_completion(manager):
         save(manager, step)
     assert [p.name for p in list_checkpoints(str(manager.output_dir))] == ["step_2", "step_3"]
     FakeCheckpointer.fail_next_save = True
-    with pytest.raises(OSError):
+    with pytest.raises(CheckpointSaveError):
         save(manager, 4)
     assert [p.name for p in list_checkpoints(str(manager.output_dir))] == ["step_2", "step_3"]
 
@@ -185,10 +187,22 @@ def test_a_manifest_listing_itself_still_verifies(manager):
 def test_not_enough_space_is_refused_before_writing(manager, monkeypatch):
     first = save(manager, 1)
     monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: DiskUsage(10**9, 10**9 - 1000, 1000))
-    with pytest.raises(DiskSpaceError, match="'output_dir': not enough free disk space to save step_2 in "
-                       ".*: it needs about 1 MiB, 1000 B are free; nothing was written and .*step_1 is intact"):
+    with pytest.raises(CheckpointSaveError, match="not enough free disk space to save step_2 in output_dir "
+                       ".*: it needs about 1 MiB, 1000 B are free; nothing was written and .*step_1 is intact: "
+                       r"free some space \(or lower keep_last_n_checkpoints\), then continue with "
+                       "resume_from_checkpoint=true$"):
         save(manager, 2)
     assert list_checkpoints(str(manager.output_dir)) == [first] and not manager.staging.exists()
+
+
+def test_a_failed_first_save_does_not_suggest_resuming(manager, monkeypatch):
+    """No checkpoint to resume from yet: the message says to start again, not resume_from_checkpoint=true."""
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: DiskUsage(10**9, 10**9 - 1000, 1000))
+    with pytest.raises(CheckpointSaveError) as err:
+        save(manager, 1)
+    assert str(err.value).endswith("nothing was written and no checkpoint of this run exists yet: free some "
+                                   "space (or lower keep_last_n_checkpoints), then start the run again")
+    assert "resume_from_checkpoint" not in str(err.value)
 
 
 @pytest.mark.parametrize("failure", [OSError(errno.ENOSPC, "No space left on device"),
@@ -206,9 +220,24 @@ def test_disk_filling_up_during_a_save(manager, monkeypatch, failure):
 
     monkeypatch.setattr(checkpoint.shutil, "disk_usage", disk_usage)
     FakeCheckpointer.fail_next_save = failure
-    with pytest.raises(DiskSpaceError, match="the disk filled up while saving step_2 in .*: it needs about 1 MiB, "
+    with pytest.raises(CheckpointSaveError, match="the disk filled up while saving step_2 in .*: it needs about 1 MiB, "
                        ".* are free now; the partial checkpoint was removed and .*step_1 is intact") as err:
         save(manager, 2)
+    assert err.value.__cause__ is failure
+    assert list_checkpoints(str(manager.output_dir)) == [first] and not manager.staging.exists()
+
+
+@pytest.mark.parametrize("failure", [OSError(errno.EFBIG, "File too large"),
+                                     RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534"),
+                                     RuntimeError("Error while serializing: I/O error: File too large (os error 27)")],
+                         ids=["EFBIG", "torch.save", "safetensors"])
+def test_a_failed_write_is_one_error_naming_the_checkpoint(manager, failure):
+    """Writes that fail with room on the disk (a file size limit, an I/O error) are reported, not a traceback."""
+    first = save(manager, 1)
+    FakeCheckpointer.fail_next_save = failure
+    with pytest.raises(CheckpointSaveError, match=r"saving step_2 in .* failed \((RuntimeError|OSError): ") as err:
+        save(manager, 2)
+    assert str(failure) in str(err.value) and f"{first} is intact" in str(err.value)
     assert err.value.__cause__ is failure
     assert list_checkpoints(str(manager.output_dir)) == [first] and not manager.staging.exists()
 

@@ -1,6 +1,7 @@
 """Checkpoints through the real recipe (``tune run``, tiny model): truthful messages, disk use, a full disk."""
 
 import re
+import resource
 import subprocess
 from collections import namedtuple
 
@@ -31,12 +32,21 @@ def write_config(setup_yaml, out, *overrides, default_keep=False):
     return path
 
 
-def tune(config, *overrides, tests_importable=False):
+def tune(config, *overrides, tests_importable=False, max_file_bytes=None):
     env = resume_jobs.subprocess_env()
     if tests_importable:
         env["PYTHONPATH"] += f":{REPO_ROOT / 'tests'}"
+
+    def limit_file_size():  # ulimit -f: a write past it fails with EFBIG (Python ignores SIGXFSZ)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_bytes, max_file_bytes))
+
     return subprocess.run(["tune", "run", RECIPE, "--config", str(config), *overrides], cwd=REPO_ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600,
+                          preexec_fn=limit_file_size if max_file_bytes else None)
+
+
+def error_lines(proc):
+    return [line[line.index("error:"):] for line in proc.stderr.splitlines() if "error:" in line]  # after the bar
 
 
 def test_save_messages_tell_the_truth(setup_yaml, tmp_path):
@@ -66,11 +76,11 @@ def test_disk_full_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(s
     config = write_config(setup_yaml, out, "save_every_n_steps=1")
     proc = tune(config, "checkpointer._component_=fake_checkpointer.DiskFullAtStep", "checkpointer.full_at_step=2",
                 tests_importable=True)
-    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.returncode == 74, proc.stderr[-3000:]  # EX_IOERR: not bad input
     assert "Traceback" not in proc.stderr
-    errors = [line[line.index("error:"):] for line in proc.stderr.splitlines() if "error:" in line]  # after the bar
+    errors = error_lines(proc)
     assert len(errors) == 1 and errors[0].startswith(
-        f"error: config key 'output_dir': the disk filled up while saving step_2 in '{out}' ([Errno 28] No space "
+        f"error: the disk filled up while saving step_2 in output_dir '{out}' ([Errno 28] No space "
         "left on device): it needs about ")
     assert f"{out / 'step_1'} is intact" in errors[0] and "resume_from_checkpoint=true" in errors[0]
     assert not (out / ".staging").exists()
@@ -78,6 +88,27 @@ def test_disk_full_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(s
     verify_checkpoint(out / "step_1")
     resumed = tune(config, "resume_from_checkpoint=true")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert sorted(resume_jobs.by_step(out)) == list(range(1, 13))
+
+
+def test_a_write_that_fails_during_a_save_is_one_line(setup_yaml, tmp_path):
+    """A real failing write (a file size limit, so torch.save fails with room on the disk), at the first save:
+    one line naming the checkpoint, exit 74, no staging left, and no resume suggested (there is nothing to resume);
+    the same command without the limit then trains."""
+    out = tmp_path / "out"
+    config = write_config(setup_yaml, out, "save_every_n_steps=1")
+    # the model's weights file (~110 KB) fits; the optimizer state in recipe_state.pt (~220 KB) does not
+    proc = tune(config, max_file_bytes=160_000)
+    assert proc.returncode == 74, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    errors = error_lines(proc)
+    assert len(errors) == 1, errors
+    assert errors[0].startswith(f"error: saving step_1 in '{out}' failed (RuntimeError: "), errors[0]
+    assert errors[0].endswith("the partial checkpoint was removed and no checkpoint of this run exists yet: fix the "
+                              "cause, then start the run again"), errors[0]
+    assert not (out / ".staging").exists() and list_checkpoints(str(out)) == []
+    again = tune(config)
+    assert again.returncode == 0, again.stderr[-3000:]
     assert sorted(resume_jobs.by_step(out)) == list(range(1, 13))
 
 

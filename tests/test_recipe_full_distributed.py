@@ -9,9 +9,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from helpers import (
-    read_jsonl, recipe_class, rel_diff, run_recipe, run_tune, tiny_alpaca16_config,
+    REPO_ROOT, read_jsonl, recipe_class, rel_diff, run_recipe, run_tune, tiny_alpaca16_config,
 )
 from torchtune_ext import distributed
+from torchtune_ext.checkpoint import list_checkpoints
 from torchtune_ext.config import DISTRIBUTED_KEYS, ConfigError, validate
 from wandb_reader import read_offline_run
 
@@ -102,9 +103,12 @@ def test_weights_that_do_not_fit_are_a_config_error(smollm2_assets, tmp_path):
 
 
 def test_two_ranks_stop_together_with_one_line(smollm2_assets, tmp_path):
-    """Under torchrun a bad input, and a destroyed model, end the job with one line and the recipe's exit
-    status (2, 3), not torchrun's ChildFailedError report; the ranks agree on the step at which they stop."""
+    """Under torchrun a bad input, a destroyed model and a save that fills the disk end the job with one line
+    and the recipe's exit status (2, 3, 74), not torchrun's ChildFailedError report; the ranks agree on the step
+    at which they stop (rank 1 learns of rank 0's failed save)."""
     cases = {"bad_input": (["optimizer.lr=abc"], 2, "config key 'optimizer.lr'"),
+             "save_failed": (["save_every_n_steps=1", "checkpointer._component_=fake_checkpointer.DiskFullAtStep",
+                              "checkpointer.full_at_step=2"], 74, "the disk filled up while saving step_2"),
              "destroyed": (["optimizer.lr=1e6", "lr_scheduler.num_warmup_steps=1", "save_every_n_steps=1"], 3,
                            "optimizer step 3")}
     for name, (overrides, status, words) in cases.items():
@@ -112,11 +116,14 @@ def test_two_ranks_stop_together_with_one_line(smollm2_assets, tmp_path):
         config = tmp_path / f"{name}.yaml"
         OmegaConf.save(tiny_config(smollm2_assets, tmp_path, out, "batch_size=2", "gradient_accumulation_steps=1",
                                    *overrides), config)
-        proc = run_tune("--nproc_per_node", "2", RECIPE, "--config", str(config), timeout=300)
+        proc = run_tune("--nproc_per_node", "2", RECIPE, "--config", str(config), timeout=300,
+                        extra_env={"PYTHONPATH": f"{REPO_ROOT}:{REPO_ROOT / 'tests'}"})
         errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
         assert proc.returncode == status, proc.stderr[-3000:]
         assert len(errors) == 1 and words in errors[0], proc.stderr[-3000:]
         assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr
     assert not (tmp_path / "bad_input").exists()
+    assert [p.name for p in list_checkpoints(str(tmp_path / "save_failed"))] == ["step_1"]
+    assert not (tmp_path / "save_failed" / ".staging").exists()
     assert "Last checkpoint from before the damage" in errors[0] and "step_2" in errors[0]
     assert [r["step"] for r in read_jsonl(tmp_path / "destroyed" / "logs" / "metrics.jsonl")] == [1, 2]

@@ -246,7 +246,16 @@ def _from_rank_zero(value: Any) -> Any:
 
 
 class DiskSpaceError(ConfigError):
-    """Not enough free space in ``output_dir`` for a checkpoint (key ``output_dir``)."""
+    """Not enough free space in ``output_dir`` for one checkpoint, found before training (key ``output_dir``)."""
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint could not be written during training: the disk was full, or a write failed.
+
+    The staging folder is removed and earlier checkpoints are intact; the
+    message says which one to resume from, if any. The recipes exit with
+    :data:`torchtune_ext.launch.EXIT_IO_ERROR` (74).
+    """
 
 
 def format_bytes(num_bytes: float) -> str:
@@ -377,6 +386,24 @@ def _is_disk_full(err: BaseException) -> bool:
     return False
 
 
+# How writers that are not Python's file objects report a failed write: torch.save's
+# PyTorchStreamWriter ("unexpected pos 576 vs 534", "basic_ios::clear: iostream error",
+# "file write failed") and safetensors ("I/O error: File too large (os error 27)").
+_WRITE_FAILURES = ("unexpected pos", "iostream error", "PytorchStreamWriter failed", "file write failed", "I/O error")
+
+
+def _is_write_failure(err: BaseException) -> bool:
+    """Did writing a file fail (any ``OSError``: a file size limit, a read-only or vanished disk...)?
+
+    Anything else raised during a save is a bug and keeps its traceback.
+    """
+    while err is not None:
+        if isinstance(err, OSError) or any(text in str(err) for text in _WRITE_FAILURES):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
 class CheckpointManager:
     """Saves and finds atomic step checkpoints for one run.
 
@@ -450,6 +477,10 @@ class CheckpointManager:
             state = self._checkpointer.load_checkpoint()
         except Exception as err:
             raise _unreadable(source, err, resume_from is not None and not adapter) from err
+        try:  # torchtune's checkpointer creates it; each save makes it again, a run with none leaves nothing
+            self.staging.rmdir()
+        except OSError:
+            pass  # not empty (an interrupted save's: the next save clears it) or made by another rank
         if adapter and resume_from is not None:
             try:
                 state[training.ADAPTER_KEY] = torch.load(
@@ -519,10 +550,12 @@ class CheckpointManager:
             epoch right after a periodic save) is not written again.
 
         Raises:
-            DiskSpaceError: if the checkpoint does not fit in the free space
-                (checked before writing) or the disk filled up while writing;
-                the staging folder is removed and earlier checkpoints are intact.
-            Any other error of the write, after removing the staging folder.
+            CheckpointSaveError: if the checkpoint does not fit in the free
+                space (checked before writing), the disk filled up while
+                writing, or a write failed (an ``OSError``, or torch.save's or
+                safetensors' report of one); the staging folder is removed and
+                earlier checkpoints are intact.
+            Any other error (a bug), after removing the staging folder.
             All ranks raise (ranks other than 0 a ``RuntimeError`` with rank 0's message).
         """
         final = self.output_dir / f"step_{progress.step}"
@@ -535,6 +568,8 @@ class CheckpointManager:
                 # exceptions do not all pickle: send what the other ranks raise
                 if isinstance(err, ConfigError):
                     _from_rank_zero((type(err), err.key, str(err).split(": ", 1)[1]))
+                elif isinstance(err, CheckpointSaveError):
+                    _from_rank_zero((CheckpointSaveError, None, str(err)))
                 else:
                     _from_rank_zero((RuntimeError, None, f"saving {final} failed on rank 0: {type(err).__name__}: {err}"))
                 raise
@@ -591,6 +626,9 @@ class CheckpointManager:
             shutil.rmtree(self.staging, ignore_errors=True)
             if isinstance(err, Exception) and (_is_disk_full(err) or free_now < needed - partial):
                 raise self._disk_space_error(final, needed, free_now + partial, cause=err) from err
+            if isinstance(err, Exception) and _is_write_failure(err):
+                raise CheckpointSaveError(f"saving {final.name} in '{self.output_dir}' failed ({_short(err)}): "
+                                          f"the partial checkpoint was removed and {self._after_failure()}") from err
             raise
         os.replace(written, final)
         _fsync_dir(self.output_dir)
@@ -613,18 +651,22 @@ class CheckpointManager:
                 + tensor_bytes(optimizer_state) + self._copied_bytes() + 2**20)
 
     def _disk_space_error(self, final: Path, needed: int, free: int,
-                          cause: Optional[BaseException] = None) -> DiskSpaceError:
-        previous = latest_checkpoint(str(self.output_dir))
-        kept = f"{previous} is intact" if previous else "no earlier checkpoint exists"
+                          cause: Optional[BaseException] = None) -> CheckpointSaveError:
         if cause is None:
-            what = f"not enough free disk space to save {final.name} in '{self.output_dir}'"
+            what = f"not enough free disk space to save {final.name} in output_dir '{self.output_dir}'"
             now, done = "", "nothing was written"
         else:
-            what = f"the disk filled up while saving {final.name} in '{self.output_dir}' ({cause})"
+            what = f"the disk filled up while saving {final.name} in output_dir '{self.output_dir}' ({cause})"
             now, done = " now", "the partial checkpoint was removed"
-        return DiskSpaceError("output_dir", f"{what}: it needs about {format_bytes(needed)}, {format_bytes(free)} "
-                              f"are free{now}; {done} and {kept}. Free some space (or lower "
-                              "keep_last_n_checkpoints), then continue with resume_from_checkpoint=true")
+        return CheckpointSaveError(f"{what}: it needs about {format_bytes(needed)}, {format_bytes(free)} are "
+                                   f"free{now}; {done} and {self._after_failure('free some space (or lower keep_last_n_checkpoints)')}")
+
+    def _after_failure(self, fix: str = "fix the cause") -> str:
+        """What is left after a failed save and how to go on (part of the error's message)."""
+        previous = latest_checkpoint(str(self.output_dir))
+        if previous is None:
+            return f"no checkpoint of this run exists yet: {fix}, then start the run again"
+        return f"{previous} is intact: {fix}, then continue with resume_from_checkpoint=true"
 
     def _prune(self, keep: Path, suspect_from: Optional[int] = None) -> None:
         if self.keep_last_n is None:

@@ -11,6 +11,11 @@ Exit statuses of the recipes:
   diverging loss, non-finite parameters), or the run ended with its last step
   skipped as non-finite. The message names the last checkpoint from before
   the damage.
+* 74 (:data:`EXIT_IO_ERROR`, ``EX_IOERR`` of ``sysexits.h``): a checkpoint
+  could not be written during training (the disk filled up, or a write
+  failed); the partial checkpoint is removed, earlier ones are intact, and
+  the message says how to go on
+  (:class:`torchtune_ext.checkpoint.CheckpointSaveError`).
 * 75 (:data:`EXIT_STOPPED`): stopped by SIGTERM or SIGINT after a checkpoint
   was saved; continue with ``resume_from_checkpoint=true``
   (:mod:`torchtune_ext.preemption`).
@@ -51,9 +56,11 @@ from typing import Any, Callable, List, Optional
 
 EXIT_USER_ERROR = 2
 EXIT_TRAINING_FAILED = 3
+# EX_IOERR of sysexits.h, "an error occurred while doing I/O on some file": a save failed
+EXIT_IO_ERROR = 74
 # EX_TEMPFAIL of sysexits.h, "a temporary failure; retry": a checkpoint was saved, resume to continue
 EXIT_STOPPED = 75
-REPORTED_EXIT_CODES = (EXIT_USER_ERROR, EXIT_TRAINING_FAILED, EXIT_STOPPED)
+REPORTED_EXIT_CODES = (EXIT_USER_ERROR, EXIT_TRAINING_FAILED, EXIT_IO_ERROR, EXIT_STOPPED)
 # Set by the launcher for its workers: rank 0 of a run stopped by a signal writes this file
 # (torchtune_ext.preemption), so that the launcher can exit 75 even when the signal reached it
 # too and torchrun's agent ended with its own SignalException.
@@ -61,12 +68,14 @@ STOP_FILE_ENV = "TORCHTUNE_EXT_STOP_FILE"
 
 
 def _config_path(argv: List[str]) -> Optional[str]:
+    """The ``--config`` file torchtune's parser will read: the last one given (argparse's rule)."""
+    path = None
     for i, arg in enumerate(argv):
         if arg == "--config" and i + 1 < len(argv):
-            return argv[i + 1]
-        if arg.startswith("--config="):
-            return arg.split("=", 1)[1]
-    return None
+            path = argv[i + 1]
+        elif arg.startswith("--config="):
+            path = arg.split("=", 1)[1]
+    return path
 
 
 def check_command_line(argv: List[str]) -> None:
@@ -170,7 +179,10 @@ def exit_on_user_error(recipe_main: Callable[..., Any]) -> Callable[..., Any]:
       ``error: <message>``, exit status 2.
     * :class:`torchtune_ext.health.TrainingHealthError`: ``error: training
       stopped: <message>``, exit status 3.
+    * :class:`torchtune_ext.checkpoint.CheckpointSaveError`: ``error:
+      <message>``, exit status 74.
     """
+    from torchtune_ext.checkpoint import CheckpointSaveError
     from torchtune_ext.config import UserError
     from torchtune_ext.health import TrainingHealthError
 
@@ -184,6 +196,8 @@ def exit_on_user_error(recipe_main: Callable[..., Any]) -> Callable[..., Any]:
             report_and_exit(f"error: {err}", EXIT_USER_ERROR)
         except TrainingHealthError as err:
             report_and_exit(f"error: training stopped: {err}", EXIT_TRAINING_FAILED)
+        except CheckpointSaveError as err:
+            report_and_exit(f"error: {err}", EXIT_IO_ERROR)
 
     return wrapper
 

@@ -145,8 +145,14 @@ def _report(resumed: ResumeState, cfg: DictConfig, optimizer: torch.optim.Optimi
     progress, saved = resumed.progress, resumed.config
     lines = []
     changes = [c for c in changed_settings(saved, cfg, resumed.dp_world_size, dp_world_size) if c[0] != "seed"]
-    if changes:
-        listed = ", ".join(f"{key} {old!r} -> {new!r}" for key, old, new in changes)
+    listed = ", ".join(f"{key} {old!r} -> {new!r}" for key, old, new in changes)
+    if progress.step >= progress.total_steps:  # a finished run: say so rather than promise a change
+        lines.append(f"Nothing is left to train: the checkpoint (step {progress.step}) has finished "
+                     f"{progress.epoch} epoch(s) and epochs={cfg.epochs}; raise epochs to train more"
+                     + (f". Changed settings, not applied: {listed}" if changes else ""))
+        if any(key == "max_steps_per_epoch" for key, _, _ in changes):
+            lines[-1] += " (an epoch that has ended stays ended)"
+    elif changes:
         lines.append(f"Resuming with changed settings, applied from step {progress.step + 1}: {listed}")
     if cfg.seed is not None and cfg.seed != progress.seed:
         lines.append(f"seed={cfg.seed} is not used: the run continues with its seed {progress.seed} "
