@@ -39,7 +39,13 @@ from torchtune_ext.preflight import check_components
 from torchtune_ext.preemption import GracefulStop
 from torchtune_ext.resume import check_resume, restore_training
 from torchtune_ext.run_lock import OutputDirLock
-from torchtune_ext.runtime import build_profiler, embedding_rows_into_grad, offload_activations, set_log_level
+from torchtune_ext.runtime import (
+    build_profiler,
+    embedding_rows_into_grad,
+    keep_freed_cpu_memory,
+    offload_activations,
+    set_log_level,
+)
 from torchtune_ext.step import StepHealth, build_lr_scheduler, train_step
 from torchtune_ext.upstream import describe_model
 
@@ -124,6 +130,7 @@ class FullFinetuneRecipeSingleDevice:
     def train(self) -> int:
         """Train to the end, or until a signal asks to stop; returns the exit status (0, or 75 on a stop)."""
         cfg, progress = self.cfg, self.progress
+        keep_freed_cpu_memory(self._device)  # CPU: each step reuses the last one's pages instead of faulting them in
         reporter = StepReporter(self._metric_logger, self._device, total_steps=progress.total_steps,
                                 initial_step=progress.step, log_every_n_steps=cfg.log_every_n_steps,
                                 model=self._model, dtype=self._dtype, peak_tflops_per_device=cfg.peak_tflops_per_device,

@@ -180,3 +180,18 @@ def test_token_metrics_can_be_turned_off_and_change_nothing_else(run):
     assert not any({"token_accuracy", "entropy"} & r.keys() for r in without)
     assert losses(without) == losses(with_metrics)
     assert [r["grad_norm"] for r in without] == [r["grad_norm"] for r in with_metrics]
+
+
+def test_training_on_cpu_keeps_freed_memory(run, monkeypatch):
+    """The recipe turns on runtime.keep_freed_cpu_memory for its device when training starts (the other three
+    recipes call it from train() as well)."""
+    calls = []
+    monkeypatch.setitem(RECIPE.train.__globals__, "keep_freed_cpu_memory", lambda device: calls.append(device.type))
+    run("plain")
+    assert calls == ["cpu"]
+    for path, name in [("recipes/lora_finetune_single_device.py", "LoRAFinetuneRecipeSingleDevice"),
+                       ("recipes/full_finetune_distributed.py", "FullFinetuneRecipeDistributed"),
+                       ("recipes/lora_finetune_distributed.py", "LoRAFinetuneRecipeDistributed")]:
+        train = recipe_class(path, name).train
+        assert "keep_freed_cpu_memory" in train.__code__.co_names, path
+        assert train.__globals__["keep_freed_cpu_memory"].__module__ == "torchtune_ext.runtime", path

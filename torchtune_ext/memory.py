@@ -50,6 +50,8 @@ import torch.distributed as dist
 from torch import nn
 from torchtune import utils
 
+from torchtune_ext.runtime import allocator_free_bytes
+
 # torchtune's logger: the recipes' INFO lines show, so a mode change is seen in the run's output
 log = utils.get_logger("INFO")
 
@@ -222,7 +224,10 @@ def available_memory_bytes(device: torch.device) -> Optional[int]:
     CUDA: free device memory (``torch.cuda.mem_get_info``) plus what
     PyTorch's caching allocator holds but does not use. CPU: ``MemAvailable``
     of ``/proc/meminfo`` (Linux), or less if a cgroup v2 memory limit is closer,
-    divided among the job's processes on this host (``LOCAL_WORLD_SIZE``).
+    divided among the job's processes on this host (``LOCAL_WORLD_SIZE``),
+    plus what glibc's allocator holds free for this process
+    (:func:`torchtune_ext.runtime.allocator_free_bytes`, the CPU analogue of
+    CUDA's cached blocks).
     """
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
@@ -241,7 +246,7 @@ def available_memory_bytes(device: torch.device) -> Optional[int]:
         available = headroom if available is None else min(available, headroom)
     # Processes of one job on this host share its memory (torchrun sets LOCAL_WORLD_SIZE).
     local_processes = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
-    return None if available is None else available // local_processes
+    return None if available is None else available // local_processes + allocator_free_bytes()
 
 
 def _local_numel(param: torch.Tensor) -> int:

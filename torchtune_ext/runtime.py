@@ -9,13 +9,21 @@
 * :func:`set_log_level` (``log_level``): the level of torchtune's logger;
 * :func:`embedding_rows_into_grad`: on CPU, a tied token embedding adds its
   rows to the weight's gradient in place instead of through a dense
-  vocabulary-sized tensor per micro-batch.
+  vocabulary-sized tensor per micro-batch;
+* :func:`keep_freed_cpu_memory`: on CPU with glibc, memory that tensors free
+  is kept for the next ones instead of being returned to the kernel and
+  faulted in again every step (:func:`allocator_free_bytes` tells how much
+  is held that way).
 
 None of them changes what is computed: the step's token count, loss and
 gradients are the same with or without them (up to the order of a
 floating-point sum).
 """
 
+import ctypes
+import functools
+import os
+import platform
 from typing import Any, Optional
 
 import torch
@@ -179,3 +187,96 @@ def embedding_rows_into_grad(model: nn.Module, device: torch.device, compiled: b
         return False
     embedding.__class__ = _RowsIntoGradEmbedding
     return True
+
+
+# glibc's <malloc.h>
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+# Environment variables that configure glibc's allocator, or preload another one: the user's choice wins.
+_ALLOCATOR_ENV = ("MALLOC_ARENA_MAX", "MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_",
+                  "MALLOC_TRIM_THRESHOLD_")
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+@functools.lru_cache(maxsize=None)
+def _glibc() -> Optional[ctypes.CDLL]:
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
+_kept = False  # set once keep_freed_cpu_memory has applied the settings in this process
+
+
+def keep_freed_cpu_memory(device: torch.device) -> bool:
+    """On CPU with glibc, keep the memory that tensors free for the next tensors of the process.
+
+    Why: glibc's malloc gives large blocks (from 128 KiB, adaptively up to
+    32 MiB, and always above) pages fresh from the kernel (``mmap``) and
+    hands them back when they are freed, and it returns the free top of its
+    heap to the kernel too. Activations and gradients are such blocks, so
+    every step faults in and zero-fills its memory again: SmolLM2-135M at
+    batch 1 x 4 accumulation steps x 256 tokens, fp32, 2 threads, took
+    about 300,000 minor page faults and 1 s of system CPU time per step
+    (``getrusage``). With ``mmap`` off (``M_MMAP_MAX`` 0) and the heap not
+    trimmed (``M_TRIM_THRESHOLD`` at its maximum, 2 GiB of free top), a step
+    reuses the pages of the one before: from the third step on, a few dozen
+    faults per step. Numbers are unchanged (only where tensors live).
+
+    The cost: the process's resident memory stays at its high-water mark
+    (plus fragmentation: peak RSS +5% and +12% in two runs, flat over 25 steps) instead of shrinking
+    between steps; :func:`allocator_free_bytes` reports the free part, which
+    :func:`torchtune_ext.memory.available_memory_bytes` counts as available
+    to this process.
+
+    Not applied on other devices (the host memory is not the step's), off
+    Linux/glibc, or when the user configured the allocator: ``GLIBC_TUNABLES``
+    naming ``glibc.malloc``, glibc's ``MALLOC_*_`` variables, or an
+    ``LD_PRELOAD`` (jemalloc, tcmalloc). To keep glibc's defaults, start the
+    run with ``GLIBC_TUNABLES=glibc.malloc.check=0`` (a tunable at its default).
+
+    Args:
+        device: where the run trains.
+
+    Returns:
+        True if the allocator now keeps freed memory (also when already set
+        by an earlier call in this process).
+    """
+    global _kept
+    if device.type != "cpu":
+        return False
+    if _kept:
+        return True
+    if ("glibc.malloc" in os.environ.get("GLIBC_TUNABLES", "") or os.environ.get("LD_PRELOAD")
+            or any(name in os.environ for name in _ALLOCATOR_ENV)):
+        return False
+    libc = _glibc()
+    if libc is None:
+        return False
+    # mallopt returns 1 on success; the trim threshold is an int in this interface
+    _kept = bool(libc.mallopt(_M_MMAP_MAX, 0)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+    return _kept
+
+
+def allocator_free_bytes() -> int:
+    """Bytes that glibc's allocator holds free for this process (``mallinfo2().fordblks``); 0 if unknown.
+
+    Memory this process can reuse without asking the kernel; the kernel's
+    ``MemAvailable`` does not include it. Only counted once
+    :func:`keep_freed_cpu_memory` has applied its settings (otherwise glibc
+    returns large free blocks to the kernel by itself).
+    """
+    if not _kept:
+        return 0
+    libc = _glibc()
+    mallinfo2 = getattr(libc, "mallinfo2", None)  # glibc 2.33 and later
+    if mallinfo2 is None:
+        return 0
+    mallinfo2.restype = _MallInfo2
+    return int(mallinfo2().fordblks)
