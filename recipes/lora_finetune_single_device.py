@@ -172,6 +172,7 @@ class LoRAFinetuneRecipeSingleDevice:
                                 log_peak_memory=cfg.log_peak_memory_stats, profiler=self._profiler)
         self._validator.at_start(progress)
         while progress.epoch < cfg.epochs:
+            epoch = progress.epoch
             for step_data in self._data.epoch(progress.epoch, progress.samples_in_epoch, progress.steps_in_epoch):
                 if self._stop.requested():
                     return self._stop.stop(self.save_checkpoint() if progress.step else None, progress.step)
@@ -191,9 +192,12 @@ class LoRAFinetuneRecipeSingleDevice:
                                   skipped_steps=progress.skipped_steps, tokens_seen=progress.tokens_seen,
                                   data=step_data)
                 self._validator.after_step(progress, end_of_epoch=step_data.last_in_epoch)
+                if step_data.last_in_epoch:  # before a periodic save of this step, whose checkpoint ends the epoch
+                    progress.complete_epoch()
                 if cfg.save_every_n_steps and progress.step % cfg.save_every_n_steps == 0:
                     self.save_checkpoint()
-            progress.complete_epoch()
+            if progress.epoch == epoch:  # resumed at the end of an epoch: it had no step left
+                progress.complete_epoch()
             if progress.epoch < cfg.epochs or cfg.save_final_checkpoint:
                 self.save_checkpoint()
         reporter.close()

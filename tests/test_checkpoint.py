@@ -242,6 +242,17 @@ def test_a_failed_write_is_one_error_naming_the_checkpoint(manager, failure):
     assert list_checkpoints(str(manager.output_dir)) == [first] and not manager.staging.exists()
 
 
+def test_a_bug_raised_while_handling_a_write_error_keeps_its_traceback(manager):
+    """Only the error and what it was raised *from* classify it: a KeyError raised inside an
+    `except OSError` block is a bug, not a failed write."""
+    bug = KeyError("a bug")
+    bug.__context__ = OSError(errno.EIO, "Input/output error")
+    FakeCheckpointer.fail_next_save = bug
+    with pytest.raises(KeyError, match="a bug"):
+        save(manager, 1)
+    assert not manager.staging.exists()
+
+
 def test_other_failures_are_raised_as_they_are(manager):
     FakeCheckpointer.fail_next_save = ValueError("not a disk problem")
     with pytest.raises(ValueError, match="not a disk problem"):

@@ -52,21 +52,23 @@ def test_changed_learning_rate_is_applied_and_reported(setup_yaml, reference, tm
     assert any("changed settings, applied from step 3: optimizer.lr 0.01 -> 0.002" in m for m in messages(caplog))
 
 
-def test_a_finished_run_says_that_nothing_is_left(setup_yaml, tmp_path, caplog):
+@pytest.mark.parametrize("saves", [[], ["save_every_n_steps=2"]], ids=["epoch-end-save", "periodic-save"])
+def test_a_finished_run_says_that_nothing_is_left(setup_yaml, tmp_path, caplog, saves):
     """Resuming a finished run with a larger max_steps_per_epoch: no step runs, and the log says why
-    instead of announcing the change "from step 3"."""
+    instead of announcing the change "from step 3"; also when the epoch's last step was saved by a
+    periodic save (its checkpoint ends the epoch, as the end-of-epoch save's does)."""
     out = tmp_path / "out"
-    short = ["epochs=1", "max_steps_per_epoch=2"]
+    short = ["epochs=1", "max_steps_per_epoch=2", *saves]
     assert resume_jobs.run("full_single", resume_jobs.config(setup_yaml, "full_single", out, *short)) == 0
     with caplog.at_level(logging.INFO):
-        got = resume(setup_yaml, out, "epochs=1", "max_steps_per_epoch=3")
+        got = resume(setup_yaml, out, "epochs=1", "max_steps_per_epoch=3", *saves)
     assert sorted(got) == [1, 2]
     said = [m for m in messages(caplog) if "Nothing is left to train" in m or "changed settings" in m]
     assert said == ["Nothing is left to train: the checkpoint (step 2) has finished 1 epoch(s) and epochs=1; raise "
                     "epochs to train more. Changed settings, not applied: max_steps_per_epoch 2 -> 3 "
                     "(an epoch that has ended stays ended)"]
     assert not (out / ".staging").exists()
-    got = resume(setup_yaml, out, "epochs=2", "max_steps_per_epoch=3")  # more epochs: they take the new length
+    got = resume(setup_yaml, out, "epochs=2", "max_steps_per_epoch=3", *saves)  # more epochs: the new length
     assert sorted(got) == [1, 2, 3, 4, 5]
 
 

@@ -377,30 +377,37 @@ def _quiet_torchtune_checkpointer() -> Iterator[None]:
 
 
 def _is_disk_full(err: BaseException) -> bool:
+    """A full disk or quota, in ``err`` or what it was raised from (``__cause__``)."""
     while err is not None:
         if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
         if "No space left on device" in str(err) or "StorageFull" in str(err):
             return True
-        err = err.__cause__ or err.__context__
+        err = err.__cause__
     return False
 
 
 # How writers that are not Python's file objects report a failed write: torch.save's
 # PyTorchStreamWriter ("unexpected pos 576 vs 534", "basic_ios::clear: iostream error",
-# "file write failed") and safetensors ("I/O error: File too large (os error 27)").
-_WRITE_FAILURES = ("unexpected pos", "iostream error", "PytorchStreamWriter failed", "file write failed", "I/O error")
+# "file write failed", "File ... cannot be opened.") and safetensors ("I/O error: File too
+# large (os error 27)"; older versions "IoError(Os { ... })").
+_WRITE_FAILURES = ("unexpected pos", "iostream error", "PytorchStreamWriter failed", "file write failed",
+                   "cannot be opened", "I/O error", "IoError(Os")
 
 
 def _is_write_failure(err: BaseException) -> bool:
-    """Did writing a file fail (any ``OSError``: a file size limit, a read-only or vanished disk...)?
+    """Did writing a file fail (a full disk, any ``OSError``: a file size limit, a read-only disk...)?
 
-    Anything else raised during a save is a bug and keeps its traceback.
+    Looks at ``err`` and what it was raised from (``__cause__``), not at an
+    error it was raised while handling: anything else raised during a save is
+    a bug and keeps its traceback.
     """
+    if _is_disk_full(err):
+        return True
     while err is not None:
         if isinstance(err, OSError) or any(text in str(err) for text in _WRITE_FAILURES):
             return True
-        err = err.__cause__ or err.__context__
+        err = err.__cause__
     return False
 
 
@@ -477,10 +484,6 @@ class CheckpointManager:
             state = self._checkpointer.load_checkpoint()
         except Exception as err:
             raise _unreadable(source, err, resume_from is not None and not adapter) from err
-        try:  # torchtune's checkpointer creates it; each save makes it again, a run with none leaves nothing
-            self.staging.rmdir()
-        except OSError:
-            pass  # not empty (an interrupted save's: the next save clears it) or made by another rank
         if adapter and resume_from is not None:
             try:
                 state[training.ADAPTER_KEY] = torch.load(
@@ -493,6 +496,9 @@ class CheckpointManager:
 
     def announce(self, checkpoint_bytes: int, progress: Progress, loader: Any, cfg: DictConfig) -> None:
         """Log the disk use to expect at start-up; refuse to start without room for one checkpoint.
+
+        Call it on every rank (one collective), after :meth:`load`. Removes the
+        empty staging folder that building the checkpointer made.
 
         Args:
             checkpoint_bytes: one checkpoint's tensors (:func:`expected_checkpoint_bytes`); the
@@ -509,7 +515,9 @@ class CheckpointManager:
         on_disk = len(list_checkpoints(str(self.output_dir))) + saves
         if self.keep_last_n is not None:  # a new checkpoint is complete before the oldest goes
             on_disk = min(on_disk, self.keep_last_n + 1)
-        free = shutil.disk_usage(_existing_parent(self.output_dir)).free
+        # Rank 0's figure on every rank, so that all ranks refuse together. By then every rank
+        # has built its checkpointer (load), which makes the staging folder; see below.
+        free = _from_rank_zero(shutil.disk_usage(_existing_parent(self.output_dir)).free)
         if free < checkpoint_bytes:
             raise DiskSpaceError("output_dir", f"not enough free disk space for one checkpoint in "
                                  f"'{self.output_dir}': it needs about {format_bytes(checkpoint_bytes)}, "
@@ -521,6 +529,10 @@ class CheckpointManager:
                 f"{format_bytes(free)} free")
         if not _is_rank_zero():
             return
+        try:  # each save makes it again: a run that saves nothing leaves no empty staging folder
+            self.staging.rmdir()
+        except OSError:
+            pass  # not empty: an interrupted save's, which the next save clears
         if free < on_disk * checkpoint_bytes:
             log.warning(f"{line}: not enough for all of them; lower keep_last_n_checkpoints or free some space")
         else:
@@ -620,16 +632,19 @@ class CheckpointManager:
                      for p in sorted(written.rglob("*")) if p.is_file()}
             _write_synced(written / MANIFEST, json.dumps({"step": progress.step, "files": files}, indent=1))
         except BaseException as err:
-            partial = sum(p.stat().st_size for p in self.staging.rglob("*") if p.is_file()) \
-                if self.staging.exists() else 0
-            free_now = shutil.disk_usage(self.output_dir).free
+            try:  # the folder may be gone or unreadable too: that must not hide the error
+                partial = sum(p.stat().st_size for p in self.staging.rglob("*") if p.is_file())
+                free_now: Optional[int] = shutil.disk_usage(self.output_dir).free
+            except OSError:
+                partial, free_now = 0, None
             shutil.rmtree(self.staging, ignore_errors=True)
-            if isinstance(err, Exception) and (_is_disk_full(err) or free_now < needed - partial):
-                raise self._disk_space_error(final, needed, free_now + partial, cause=err) from err
-            if isinstance(err, Exception) and _is_write_failure(err):
-                raise CheckpointSaveError(f"saving {final.name} in '{self.output_dir}' failed ({_short(err)}): "
-                                          f"the partial checkpoint was removed and {self._after_failure()}") from err
-            raise
+            if not (isinstance(err, Exception) and _is_write_failure(err)):
+                raise
+            # torch.save reports a full disk as a bare RuntimeError: the free space tells
+            if _is_disk_full(err) or (free_now is not None and free_now < needed - partial):
+                raise self._disk_space_error(final, needed, (free_now or 0) + partial, cause=err) from err
+            raise CheckpointSaveError(f"saving {final.name} in output_dir '{self.output_dir}' failed "
+                                      f"({_short(err)}): {self._after_failure()}") from err
         os.replace(written, final)
         _fsync_dir(self.output_dir)
         shutil.rmtree(self.staging, ignore_errors=True)
@@ -654,19 +669,29 @@ class CheckpointManager:
                           cause: Optional[BaseException] = None) -> CheckpointSaveError:
         if cause is None:
             what = f"not enough free disk space to save {final.name} in output_dir '{self.output_dir}'"
-            now, done = "", "nothing was written"
+            now = ""
         else:
             what = f"the disk filled up while saving {final.name} in output_dir '{self.output_dir}' ({cause})"
-            now, done = " now", "the partial checkpoint was removed"
+            now = " now"
+        fix = "free some space (or lower keep_last_n_checkpoints)"
         return CheckpointSaveError(f"{what}: it needs about {format_bytes(needed)}, {format_bytes(free)} are "
-                                   f"free{now}; {done} and {self._after_failure('free some space (or lower keep_last_n_checkpoints)')}")
+                                   f"free{now}; {self._after_failure(fix, written=cause is not None)}")
 
-    def _after_failure(self, fix: str = "fix the cause") -> str:
-        """What is left after a failed save and how to go on (part of the error's message)."""
-        previous = latest_checkpoint(str(self.output_dir))
+    def _after_failure(self, fix: str = "fix the cause", written: bool = True) -> str:
+        """What is left after a failed save and how to go on (the end of the error's message)."""
+        if not written:
+            done = "nothing was written"
+        elif self.staging.exists():
+            done = f"the partial checkpoint in '{self.staging}' could not be removed (delete it)"
+        else:
+            done = "the partial checkpoint was removed"
+        try:
+            previous = latest_checkpoint(str(self.output_dir))
+        except OSError as err:
+            return f"{done}; the earlier checkpoints could not be listed ({_short(err)}): {fix}, then resume"
         if previous is None:
-            return f"no checkpoint of this run exists yet: {fix}, then start the run again"
-        return f"{previous} is intact: {fix}, then continue with resume_from_checkpoint=true"
+            return f"{done} and no checkpoint of this run exists yet: {fix}, then start the run again"
+        return f"{done} and {previous} is intact: {fix}, then continue with resume_from_checkpoint=true"
 
     def _prune(self, keep: Path, suspect_from: Optional[int] = None) -> None:
         if self.keep_last_n is None:

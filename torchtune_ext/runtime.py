@@ -191,9 +191,6 @@ def embedding_rows_into_grad(model: nn.Module, device: torch.device, compiled: b
 
 # glibc's <malloc.h>
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
-# Environment variables that configure glibc's allocator, or preload another one: the user's choice wins.
-_ALLOCATOR_ENV = ("MALLOC_ARENA_MAX", "MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_",
-                  "MALLOC_TRIM_THRESHOLD_")
 
 
 class _MallInfo2(ctypes.Structure):
@@ -235,10 +232,17 @@ def keep_freed_cpu_memory(device: torch.device) -> bool:
     :func:`torchtune_ext.memory.available_memory_bytes` counts as available
     to this process.
 
+    Memory freed after a checkpoint save or an evaluation stays with the
+    process too (later steps reuse it), and on CPU ``peak_memory_gib`` (the
+    process's peak RSS) includes what is kept. :func:`allocator_free_bytes`
+    counts free chunks wherever they lie, so fragmented holes count as
+    available; CPU plans with 70% of the available memory
+    (:data:`torchtune_ext.memory.HEADROOM`).
+
     Not applied on other devices (the host memory is not the step's), off
-    Linux/glibc, or when the user configured the allocator: ``GLIBC_TUNABLES``
-    naming ``glibc.malloc``, glibc's ``MALLOC_*_`` variables, or an
-    ``LD_PRELOAD`` (jemalloc, tcmalloc). To keep glibc's defaults, start the
+    Linux/glibc or before glibc 2.33 (no ``mallinfo2``), or when the user
+    configured the allocator: ``GLIBC_TUNABLES`` naming ``glibc.malloc``, any
+    ``MALLOC_*`` variable, or an ``LD_PRELOAD`` (jemalloc, tcmalloc). To keep glibc's defaults, start the
     run with ``GLIBC_TUNABLES=glibc.malloc.check=0`` (a tunable at its default).
 
     Args:
@@ -253,12 +257,13 @@ def keep_freed_cpu_memory(device: torch.device) -> bool:
         return False
     if _kept:
         return True
+    # The user's allocator settings win: glibc tunables, glibc's MALLOC_* variables, a preloaded allocator.
     if ("glibc.malloc" in os.environ.get("GLIBC_TUNABLES", "") or os.environ.get("LD_PRELOAD")
-            or any(name in os.environ for name in _ALLOCATOR_ENV)):
+            or any(name.startswith("MALLOC_") for name in os.environ)):
         return False
     libc = _glibc()
-    if libc is None:
-        return False
+    if libc is None or not hasattr(libc, "mallinfo2"):
+        return False  # before glibc 2.33 the memory guard could not see what is kept
     # mallopt returns 1 on success; the trim threshold is an int in this interface
     _kept = bool(libc.mallopt(_M_MMAP_MAX, 0)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
     return _kept
@@ -274,9 +279,6 @@ def allocator_free_bytes() -> int:
     """
     if not _kept:
         return 0
-    libc = _glibc()
-    mallinfo2 = getattr(libc, "mallinfo2", None)  # glibc 2.33 and later
-    if mallinfo2 is None:
-        return 0
+    mallinfo2 = _glibc().mallinfo2  # present: keep_freed_cpu_memory checked
     mallinfo2.restype = _MallInfo2
     return int(mallinfo2().fordblks)
