@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(runtime._glibc() is None, reason="glibc's alloca
 # what the allocator holds free afterwards.
 PROBE = textwrap.dedent("""
     import resource, sys, torch
-    from torchtune_ext import memory, runtime
+    from torchtune_ext import runtime
     applied = runtime.keep_freed_cpu_memory(torch.device(sys.argv[1]))
     def faults():
         return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
