@@ -189,8 +189,7 @@ def test_not_enough_space_is_refused_before_writing(manager, monkeypatch):
     monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: DiskUsage(10**9, 10**9 - 1000, 1000))
     with pytest.raises(CheckpointSaveError, match="not enough free disk space to save step_2 in output_dir "
                        ".*: it needs about 1 MiB, 1000 B are free; nothing was written and .*step_1 is intact: "
-                       r"free some space \(or lower keep_last_n_checkpoints\), then continue with "
-                       "resume_from_checkpoint=true$"):
+                       "free some space, then continue with resume_from_checkpoint=true$"):
         save(manager, 2)
     assert list_checkpoints(str(manager.output_dir)) == [first] and not manager.staging.exists()
 
@@ -201,8 +200,89 @@ def test_a_failed_first_save_does_not_suggest_resuming(manager, monkeypatch):
     with pytest.raises(CheckpointSaveError) as err:
         save(manager, 1)
     assert str(err.value).endswith("nothing was written and no checkpoint of this run exists yet: free some "
-                                   "space (or lower keep_last_n_checkpoints), then start the run again")
+                                   "space, then start the run again")
     assert "resume_from_checkpoint" not in str(err.value)
+
+
+def test_a_full_disk_with_older_checkpoints_says_they_can_go(manager, monkeypatch):
+    """Old checkpoints are deleted only after a new one is complete, so with one on disk lowering
+    keep_last_n_checkpoints frees nothing (test above); with two, the older one can be deleted."""
+    save(manager, 1)
+    save(manager, 2)
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: DiskUsage(10**9, 10**9 - 1000, 1000))
+    with pytest.raises(CheckpointSaveError) as err:
+        save(manager, 3)
+    assert ("free some space (resuming needs only the newest checkpoint: the 1 older ones, step_1, can be deleted; "
+            "a lower keep_last_n_checkpoints keeps fewer from then on), then continue with resume_from_checkpoint"
+            "=true") in str(err.value)
+    assert f"{manager.output_dir / 'step_2'} is intact" in str(err.value)
+
+
+def test_a_file_where_the_staging_folder_goes(manager, tmp_path):
+    """Refused at start-up (load) with the key; one made during training fails that save, not a traceback."""
+    first = save(manager, 1)
+    manager.staging.write_text("a user's file")
+    with pytest.raises(CheckpointSaveError, match=r"saving step_2 failed before writing: '.*\.staging' is a file, "
+                       "but saves stage each checkpoint in a folder of that name: nothing was written and "
+                       ".*step_1 is intact: move or delete the file, then continue with resume_from_checkpoint=true"):
+        save(manager, 2)
+    assert manager.staging.read_text() == "a user's file" and list_checkpoints(str(manager.output_dir)) == [first]
+    cfg = OmegaConf.create({"_component_": "fake_checkpointer.FakeCheckpointer",
+                            "checkpoint_dir": str(tmp_path / "base"), "output_dir": str(manager.output_dir)})
+    with pytest.raises(ConfigError, match=r"^config key 'output_dir': '.*\.staging' is a file, but saves stage each checkpoint"):
+        CheckpointManager(cfg, str(manager.output_dir)).load()
+
+
+@pytest.mark.parametrize("where", ["clearing staging", "moving into place", "syncing"])
+def test_a_failure_around_the_write_is_a_failed_save(manager, monkeypatch, where):
+    """The steps before and after the checkpointer writes fail like the write itself: one error, exit 74."""
+    first = save(manager, 1)
+    broken = OSError(errno.EIO, "Input/output error")
+
+    def fail(*args, **kwargs):
+        raise broken
+
+    if where == "clearing staging":
+        manager.staging.mkdir()
+        monkeypatch.setattr(checkpoint.shutil, "rmtree", fail)
+        expected = r"saving step_2 in output_dir .* failed before writing \(OSError: .*Input/output error\): nothing"
+    elif where == "moving into place":
+        real_replace = checkpoint.os.replace
+        monkeypatch.setattr(checkpoint.os, "replace",
+                            lambda src, dst: fail() if str(dst).endswith("step_2") else real_replace(src, dst))
+        expected = r"saving step_2 in .* failed when moving it into place \(OSError: .*\): the partial checkpoint was"
+    else:
+        monkeypatch.setattr(checkpoint, "_fsync_dir", fail)
+        expected = (r"saving step_2 in .* failed: the folder could not be synced to disk \(OSError: .*\); .*step_2 "
+                    "is complete but may not survive a crash of the machine")
+    with pytest.raises(CheckpointSaveError, match=expected) as err:
+        save(manager, 2)
+    assert err.value.__cause__ is broken
+    monkeypatch.undo()
+    newest = manager.output_dir / ("step_2" if where == "syncing" else "step_1")
+    assert str(err.value).endswith("fix the cause, then continue with resume_from_checkpoint=true")
+    assert where == "syncing" or str(err.value).endswith(f"{newest} is intact: fix the cause, then continue with "
+                                                         "resume_from_checkpoint=true")
+    assert latest_checkpoint(str(manager.output_dir)) == newest and (where == "clearing staging") == manager.staging.exists()
+
+
+def test_an_old_checkpoint_that_cannot_be_deleted_is_a_warning(manager, monkeypatch, caplog):
+    """The new checkpoint is complete: training goes on, and the user is told what to delete."""
+    first = save(manager, 1)
+    save(manager, 2)
+    real_rmtree = checkpoint.shutil.rmtree
+
+    def rmtree(path, *args, **kwargs):
+        if str(path) == str(first):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", rmtree)
+    with caplog.at_level("WARNING"):
+        third = save(manager, 3)
+    assert list_checkpoints(str(manager.output_dir)) == [first, manager.output_dir / "step_2", third]
+    assert f"the old checkpoint '{first}' could not be deleted (PermissionError" in caplog.text
+    assert "delete it by hand" in caplog.text
 
 
 @pytest.mark.parametrize("failure", [OSError(errno.ENOSPC, "No space left on device"),
@@ -277,3 +357,18 @@ def test_expected_checkpoint_bytes_covers_what_is_written(kind):
     written += tensor_bytes(optimizer.state_dict())
     estimate = expected_checkpoint_bytes(model, optimizer, lora=kind != "full", adapter_only=kind.endswith("only"))
     assert written <= estimate <= written + 2**20 + 1024
+
+
+@pytest.mark.parametrize("keep", [1, 2, None])
+def test_start_up_warning_suggests_lowering_keep_only_where_it_helps(manager, monkeypatch, caplog, keep):
+    """With keep_last_n_checkpoints=1 two checkpoints are on disk at times anyway (the new one is complete
+    before the old one goes): lowering it is not possible, so only freeing space is suggested."""
+    manager.keep_last_n = keep
+    monkeypatch.setattr(checkpoint, "planned_save_steps", lambda progress, loader, cfg: [2, 4, 6])
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: DiskUsage(10**9, 10**9 - 3 * 10**6, 3 * 10**6))
+    with caplog.at_level("WARNING"):
+        manager.announce(2 * 10**6, Progress(step=0, epoch=0, steps_in_epoch=0, seed=3), loader=None, cfg=None)
+    warning = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warning) == 1 and "not enough for all of them" in warning[0]
+    assert ("lower keep_last_n_checkpoints or free some space" in warning[0]) == (keep != 1)
+    assert warning[0].endswith("free some space")

@@ -12,7 +12,7 @@ import resume_jobs
 from helpers import REPO_ROOT
 from torchtune_ext import checkpoint
 from torchtune_ext.checkpoint import DiskSpaceError, list_checkpoints, verify_checkpoint
-from torchtune_ext.config import output_dir_unchanged_on_error
+from torchtune_ext.config import ConfigError, output_dir_unchanged_on_error
 
 RECIPE = "recipes/full_finetune_single_device.py"
 
@@ -123,3 +123,16 @@ def test_no_room_for_one_checkpoint_stops_before_training(setup_yaml, tmp_path, 
         with output_dir_unchanged_on_error(str(out)):
             recipe.setup()
     assert not out.exists()  # nothing left behind
+
+
+def test_a_file_named_like_the_staging_folder_stops_before_training(setup_yaml, tmp_path):
+    """Found when the checkpointer is built, before training, naming the key; the user's file stays."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".staging").write_text("a user's file")
+    cfg = resume_jobs.config(setup_yaml, "full_single", out)
+    recipe = resume_jobs.recipe_class(*resume_jobs.RECIPES["full_single"][:2])(cfg)
+    with pytest.raises(ConfigError, match=r"^config key 'output_dir': '.*\.staging' is a file, but saves stage"):
+        with output_dir_unchanged_on_error(str(out)):
+            recipe.setup()
+    assert (out / ".staging").read_text() == "a user's file" and list_checkpoints(str(out)) == []

@@ -12,10 +12,12 @@ and ``checkpoint.json``, a manifest of every other file with its size.
 Writes are atomic: the torchtune checkpointer writes into
 ``<output_dir>/.staging/``; the manifest is written last; then the folder is
 renamed to ``step_<N>``. Free space is checked against the checkpoint's size
-first; a save that fails (a full disk included) removes its staging folder
-and leaves the previous checkpoints intact. Old checkpoints are pruned
-(``keep_last_n_checkpoints``) only after the new one is complete, and the
-newest is never pruned. Only ``step_<N>`` folders with a valid manifest are
+first; a save that fails (a full disk included, and the steps before and
+after the write: clearing an old staging folder, the rename, syncing the
+folder) removes its staging folder and leaves the previous checkpoints intact.
+Old checkpoints are pruned (``keep_last_n_checkpoints``) only after the new one
+is complete (one that cannot be deleted is a warning), and the newest is never
+pruned. Only ``step_<N>`` folders with a valid manifest are
 ever resumed from.
 
 Resuming a full fine-tune loads the model from the step folder. Resuming LoRA
@@ -459,11 +461,15 @@ class CheckpointManager:
         Raises:
             ConfigError: (key ``resume_from_checkpoint``) if ``resume_from``
                 fails :func:`verify_checkpoint`, or holds no adapter when one
-                is asked for.
+                is asked for; (key ``output_dir``) if a file is where the
+                staging folder goes.
 
         The same checkpointer instance later writes the checkpoints (it needs
         the base checkpoint's weight map), into the staging folder.
         """
+        if self.staging.exists() and not self.staging.is_dir():
+            raise ConfigError("output_dir", f"'{self.staging}' is a file, but saves stage each checkpoint in a "
+                              f"folder of that name: move or delete the file")
         overrides: Dict[str, Any] = {"output_dir": str(self.staging)}
         if resume_from is not None:
             manifest = verify_checkpoint(resume_from)
@@ -534,7 +540,9 @@ class CheckpointManager:
         except OSError:
             pass  # not empty: an interrupted save's, which the next save clears
         if free < on_disk * checkpoint_bytes:
-            log.warning(f"{line}: not enough for all of them; lower keep_last_n_checkpoints or free some space")
+            # a new checkpoint is complete before the oldest goes: with 1 kept, 2 are on disk at times
+            lower = "lower keep_last_n_checkpoints or " if self.keep_last_n is None or self.keep_last_n > 1 else ""
+            log.warning(f"{line}: not enough for all of them; {lower}free some space")
         else:
             log.info(line)
 
@@ -565,7 +573,9 @@ class CheckpointManager:
             CheckpointSaveError: if the checkpoint does not fit in the free
                 space (checked before writing), the disk filled up while
                 writing, or a write failed (an ``OSError``, or torch.save's or
-                safetensors' report of one); the staging folder is removed and
+                safetensors' report of one; also from clearing the staging
+                folder, a file in its place, the rename into ``step_<N>`` and
+                syncing ``output_dir``); the staging folder is removed and
                 earlier checkpoints are intact.
             Any other error (a bug), after removing the staging folder.
             All ranks raise (ranks other than 0 a ``RuntimeError`` with rank 0's message).
@@ -596,16 +606,24 @@ class CheckpointManager:
                suspect_from: Optional[int] = None) -> None:
         if (final / MANIFEST).is_file():
             return  # this step is saved already
-        if final.exists():  # not written by a save (no manifest): keep it, under another name
-            aside = final.with_name(f"{final.name}.incomplete")
-            while aside.exists():
-                aside = aside.with_name(aside.name + "+")
-            os.replace(final, aside)
-            log.warning("'%s' was not a complete checkpoint (no %s); it is kept as '%s'.", final, MANIFEST, aside)
-        if self.staging.exists():
-            shutil.rmtree(self.staging)  # left by an interrupted save
+        try:  # a failure here is a failed save too, only with nothing written yet
+            if final.exists():  # not written by a save (no manifest): keep it, under another name
+                aside = final.with_name(f"{final.name}.incomplete")
+                while aside.exists():
+                    aside = aside.with_name(aside.name + "+")
+                os.replace(final, aside)
+                log.warning("'%s' was not a complete checkpoint (no %s); it is kept as '%s'.", final, MANIFEST, aside)
+            if self.staging.is_dir():
+                shutil.rmtree(self.staging)  # left by an interrupted save
+            elif self.staging.exists():  # made since start-up, where load() refuses it
+                raise CheckpointSaveError(f"saving {final.name} failed before writing: '{self.staging}' is a file, "
+                                          f"but saves stage each checkpoint in a folder of that name: "
+                                          f"{self._after_failure('move or delete the file', written=False)}")
+            free = shutil.disk_usage(self.output_dir).free
+        except OSError as err:
+            raise CheckpointSaveError(f"saving {final.name} in output_dir '{self.output_dir}' failed before "
+                                      f"writing ({_short(err)}): {self._after_failure(written=False)}") from err
         needed = self._needed_bytes(state_dict, optimizer_state)
-        free = shutil.disk_usage(self.output_dir).free
         if free < needed:
             raise self._disk_space_error(final, needed, free)
         recipe_state = {
@@ -645,9 +663,20 @@ class CheckpointManager:
                 raise self._disk_space_error(final, needed, (free_now or 0) + partial, cause=err) from err
             raise CheckpointSaveError(f"saving {final.name} in output_dir '{self.output_dir}' failed "
                                       f"({_short(err)}): {self._after_failure()}") from err
-        os.replace(written, final)
-        _fsync_dir(self.output_dir)
+        try:
+            os.replace(written, final)
+        except OSError as err:
+            shutil.rmtree(self.staging, ignore_errors=True)
+            raise CheckpointSaveError(f"saving {final.name} in output_dir '{self.output_dir}' failed when moving "
+                                      f"it into place ({_short(err)}): {self._after_failure()}") from err
         shutil.rmtree(self.staging, ignore_errors=True)
+        try:
+            _fsync_dir(self.output_dir)
+        except OSError as err:
+            raise CheckpointSaveError(f"saving {final.name} in output_dir '{self.output_dir}' failed: the folder "
+                                      f"could not be synced to disk ({_short(err)}); {final} is complete but may "
+                                      f"not survive a crash of the machine: fix the cause, then continue with "
+                                      f"resume_from_checkpoint=true") from err
         self._prune(keep=final, suspect_from=suspect_from)
         log.info(f"Checkpoint saved: {final} ({format_bytes(sum(files.values()))} in "
                  f"{time.perf_counter() - start:.1f} s)")
@@ -673,9 +702,21 @@ class CheckpointManager:
         else:
             what = f"the disk filled up while saving {final.name} in output_dir '{self.output_dir}' ({cause})"
             now = " now"
-        fix = "free some space (or lower keep_last_n_checkpoints)"
         return CheckpointSaveError(f"{what}: it needs about {format_bytes(needed)}, {format_bytes(free)} are "
-                                   f"free{now}; {self._after_failure(fix, written=cause is not None)}")
+                                   f"free{now}; {self._after_failure(self._free_space_advice(), written=cause is not None)}")
+
+    def _free_space_advice(self) -> str:
+        """How to make room for the next save. Old checkpoints go only after a new one is complete,
+        so keep_last_n_checkpoints cannot make room for this one; older checkpoints on disk can."""
+        try:
+            older = list_checkpoints(str(self.output_dir))[:-1]
+        except OSError:
+            older = []
+        if not older:
+            return "free some space"
+        names = ", ".join(p.name for p in older[:3]) + (", ..." if len(older) > 3 else "")
+        return (f"free some space (resuming needs only the newest checkpoint: the {len(older)} older ones, {names}, "
+                f"can be deleted; a lower keep_last_n_checkpoints keeps fewer from then on)")
 
     def _after_failure(self, fix: str = "fix the cause", written: bool = True) -> str:
         """What is left after a failed save and how to go on (the end of the error's message)."""
@@ -701,8 +742,13 @@ class CheckpointManager:
         if suspect_from is not None:  # and the last one saved before the health checks' first bad sign
             protected.update([p for p in found if int(p.name.split("_")[1]) < suspect_from][-1:])
         for old in found[: -self.keep_last_n]:
-            if old not in protected:
+            if old in protected:
+                continue
+            try:
                 shutil.rmtree(old)
+            except OSError as err:  # the new checkpoint is complete: training can go on
+                log.warning(f"keep_last_n_checkpoints={self.keep_last_n}: the old checkpoint '{old}' could not be "
+                            f"deleted ({_short(err)}); delete it by hand")
 
 
 def _short(err: BaseException) -> str:

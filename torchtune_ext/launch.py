@@ -67,15 +67,15 @@ REPORTED_EXIT_CODES = (EXIT_USER_ERROR, EXIT_TRAINING_FAILED, EXIT_IO_ERROR, EXI
 STOP_FILE_ENV = "TORCHTUNE_EXT_STOP_FILE"
 
 
-def _config_path(argv: List[str]) -> Optional[str]:
-    """The ``--config`` file torchtune's parser will read: the last one given (argparse's rule)."""
-    path = None
+def _config_paths(argv: List[str]) -> List[str]:
+    """Every ``--config`` file given, in order (torchtune's parser reads the last one: argparse's rule)."""
+    paths = []
     for i, arg in enumerate(argv):
         if arg == "--config" and i + 1 < len(argv):
-            path = argv[i + 1]
+            paths.append(argv[i + 1])
         elif arg.startswith("--config="):
-            path = arg.split("=", 1)[1]
-    return path
+            paths.append(arg.split("=", 1)[1])
+    return paths
 
 
 def check_command_line(argv: List[str]) -> None:
@@ -87,7 +87,8 @@ def check_command_line(argv: List[str]) -> None:
 
     Raises:
         UserError: the config file is missing, not YAML (with line and
-            column), or not a mapping; an argument is a flag other than
+            column), or not a mapping; two different ``--config`` files
+            (argparse would read the last only); an argument is a flag other than
             ``--config``, an override not of the form ``key=value``, or a
             ``~key`` that names no key of the file or a component (torchtune
             cannot remove those; ``key=null`` turns an optional one off).
@@ -97,19 +98,29 @@ def check_command_line(argv: List[str]) -> None:
 
     from torchtune_ext.config import UserError
 
-    path = _config_path(argv)
-    if path is None:
+    paths = _config_paths(argv)
+    if not paths:
         return  # torchtune's parser says that --config is required
+    if len(set(paths)) > 1:  # a user may expect the files to be merged; argparse keeps the last one only
+        raise UserError(f"--config is given {len(paths)} times ({', '.join(repr(p) for p in paths)}): only one "
+                        f"file is read, not a merge; give one --config and key=value overrides")
+    path = paths[-1]
     if not os.path.isfile(path):
         what = "is a directory, not a YAML file" if os.path.isdir(path) else "does not exist"
         raise UserError(f"--config '{path}' {what}")
     try:
         loaded = OmegaConf.load(path)
     except yaml.MarkedYAMLError as err:
+        # the parser notices a typo where it expected something else, often on the next line:
+        # the context's mark ("while parsing a flow sequence" at the '[') points back at it
         mark = err.problem_mark or err.context_mark
         where = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = ": ".join(part for part in (err.context, err.problem) if part)
-        raise UserError(f"--config '{path}'{where}: {problem or err}") from None
+        problem = err.problem or err.context or str(err)
+        if err.problem and err.context:
+            started = err.context_mark
+            at = f" at line {started.line + 1}, column {started.column + 1}" if started and (started.line, started.column) != (mark.line, mark.column) else ""
+            problem += f" ({err.context}{at})"
+        raise UserError(f"--config '{path}'{where}: {problem}") from None
     except Exception as err:  # unreadable, not text, an OmegaConf error
         raise UserError(f"--config '{path}' cannot be read: {type(err).__name__}: {err}") from None
     if not isinstance(loaded, DictConfig):
