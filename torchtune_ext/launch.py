@@ -165,8 +165,28 @@ def write_line(text: str) -> None:
     sys.stderr.flush()
 
 
+def _finish_wandb(status: int) -> None:
+    """End this process's W&B run, if any, as failed with ``status``.
+
+    Otherwise W&B's exit hook ends it later and prints its run summary after
+    the error line, which should be the last thing the user reads.
+    """
+    wandb = sys.modules.get("wandb")  # imported only where a W&B logger was built
+    if wandb is None or getattr(wandb, "run", None) is None:
+        return
+    try:
+        wandb.finish(exit_code=status)
+    except Exception:  # the error line matters more than W&B's bookkeeping
+        pass
+
+
 def report_and_exit(message: str, status: int) -> None:
-    """Print ``message`` on rank 0, leave it for torchrun's launcher, and exit with ``status``."""
+    """Print ``message`` on rank 0, leave it for torchrun's launcher, and exit with ``status``.
+
+    An active W&B run is finished first, as failed with ``status``, so that
+    the message is the last line printed.
+    """
+    _finish_wandb(status)
     if _rank() == 0:
         write_line(message)  # an error during training may come while the progress bar is drawn
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
