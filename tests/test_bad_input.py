@@ -248,7 +248,7 @@ def test_launcher_exits_quietly_when_the_workers_reported(tmp_path, capsys, fail
 
 
 def test_the_error_line_comes_after_the_wandb_summary_and_the_run_is_marked_failed(tmp_path):
-    """A W&B run active at an expected error is finished first, with the recipe's exit status: its summary
+    """A W&B run active at an expected error or a stop is finished first, with the recipe's exit status: its summary
     is printed before the error line, not after it by W&B's exit hook, and W&B records the run as failed."""
     import glob
     import subprocess
@@ -259,24 +259,31 @@ def test_the_error_line_comes_after_the_wandb_summary_and_the_run_is_marked_fail
     from helpers import REPO_ROOT
     from wandb_reader import _records
 
-    script = ("import sys, wandb\n"
-              "from torchtune_ext.launch import report_and_exit\n"
-              "wandb.init(mode='offline', dir=sys.argv[1], project='p')\n"
-              "wandb.log({'loss': 1.0})\n"
-              "report_and_exit('error: the line to read last', 74)\n")
-    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path)], cwd=REPO_ROOT, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=300)
-    lines = [line for line in proc.stdout.splitlines() if line.strip()]
-    assert proc.returncode == 74 and lines[-1] == "error: the line to read last", proc.stdout
-    assert any("Run summary" in line for line in lines[:-1])
-    (run_file,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
-    exits = []
-    for chunk in _records(Path(run_file).read_bytes()):
-        record = pb.Record()
-        record.ParseFromString(chunk)
-        if record.WhichOneof("record_type") == "exit":
-            exits.append(record.exit.exit_code)
-    assert exits == [74]
+    ends = {  # an expected error (74), and a stop on a signal (75: the recipe then closes its logger)
+        74: "report_and_exit('error: the line to read last', 74)\n",
+        75: ("import torch\nfrom torchtune_ext.preemption import GracefulStop\n"
+             "sys.exit(GracefulStop(torch.device('cpu')).stop(sys.argv[1], 5))\n"),
+    }
+    for status, end in ends.items():
+        folder = tmp_path / str(status)
+        script = ("import sys, wandb\n"
+                  "from torchtune_ext.launch import report_and_exit\n"
+                  "wandb.init(mode='offline', dir=sys.argv[1], project='p')\n"
+                  "wandb.log({'loss': 1.0})\n" + end)
+        proc = subprocess.run([sys.executable, "-c", script, str(folder)], cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, timeout=300)
+        lines = [line for line in proc.stdout.splitlines() if line.strip()]
+        last = "error: the line to read last" if status == 74 else "Stopped on a signal on another rank after "
+        assert proc.returncode == status and lines[-1].startswith(last), proc.stdout
+        assert any("Run summary" in line for line in lines[:-1])
+        (run_file,) = glob.glob(str(folder / "wandb" / "offline-run-*" / "run-*.wandb"))
+        exits = []
+        for chunk in _records(Path(run_file).read_bytes()):
+            record = pb.Record()
+            record.ParseFromString(chunk)
+            if record.WhichOneof("record_type") == "exit":
+                exits.append(record.exit.exit_code)
+        assert exits == [status]
 
 
 def test_data_errors_key_reaches_the_data_pass(tiny_run, tmp_path):

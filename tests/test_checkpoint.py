@@ -212,7 +212,7 @@ def test_a_full_disk_with_older_checkpoints_says_they_can_go(manager, monkeypatc
     monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: DiskUsage(10**9, 10**9 - 1000, 1000))
     with pytest.raises(CheckpointSaveError) as err:
         save(manager, 3)
-    assert ("free some space (resuming needs only the newest checkpoint: the 1 older ones, step_1, can be deleted; "
+    assert ("free some space (resuming needs only the newest checkpoint: the older one, step_1, can be deleted; "
             "a lower keep_last_n_checkpoints keeps fewer from then on), then continue with resume_from_checkpoint"
             "=true") in str(err.value)
     assert f"{manager.output_dir / 'step_2'} is intact" in str(err.value)
@@ -278,11 +278,32 @@ def test_an_old_checkpoint_that_cannot_be_deleted_is_a_warning(manager, monkeypa
         return real_rmtree(path, *args, **kwargs)
 
     monkeypatch.setattr(checkpoint.shutil, "rmtree", rmtree)
-    with caplog.at_level("WARNING"):
+    with caplog.at_level("INFO"):
         third = save(manager, 3)
     assert list_checkpoints(str(manager.output_dir)) == [first, manager.output_dir / "step_2", third]
     assert f"the old checkpoint '{first}' could not be deleted (PermissionError" in caplog.text
     assert "delete it by hand" in caplog.text
+    # the warning follows the line of the save it belongs to
+    assert caplog.text.index("Checkpoint saved: " + str(third)) < caplog.text.index("could not be deleted")
+
+
+def test_an_old_checkpoint_deleted_in_part_is_not_called_a_checkpoint(manager, monkeypatch, caplog):
+    first = save(manager, 1)
+    save(manager, 2)
+
+    real_rmtree = checkpoint.shutil.rmtree
+
+    def rmtree(path, *args, **kwargs):  # as with an immutable file: the manifest goes, then a file refuses
+        if str(path) != str(first):
+            return real_rmtree(path, *args, **kwargs)
+        (first / "checkpoint.json").unlink()
+        raise PermissionError(errno.EPERM, "Operation not permitted", "config.json")
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", rmtree)
+    with caplog.at_level("WARNING"):
+        save(manager, 3)
+    assert (f"the old checkpoint '{first}' was deleted only in part (its checkpoint.json is gone: what is left is "
+            "not a checkpoint) (PermissionError") in caplog.text
 
 
 @pytest.mark.parametrize("failure", [OSError(errno.ENOSPC, "No space left on device"),
@@ -372,3 +393,16 @@ def test_start_up_warning_suggests_lowering_keep_only_where_it_helps(manager, mo
     assert len(warning) == 1 and "not enough for all of them" in warning[0]
     assert ("lower keep_last_n_checkpoints or free some space" in warning[0]) == (keep != 1)
     assert warning[0].endswith("free some space")
+
+
+def test_start_up_warning_on_resume_counts_only_the_checkpoints_to_come(manager, monkeypatch, caplog):
+    """The free space excludes the checkpoints already on disk: with one kept and one on disk, the next save
+    needs room for one more, not two."""
+    save(manager, 1)
+    manager.keep_last_n = 1
+    monkeypatch.setattr(checkpoint, "planned_save_steps", lambda progress, loader, cfg: [2])
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: DiskUsage(10**9, 10**9 - 3 * 10**6, 3 * 10**6))
+    with caplog.at_level("INFO"):
+        manager.announce(2 * 10**6, Progress(step=1, epoch=0, steps_in_epoch=1, seed=3), loader=None, cfg=None)
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    assert "1 to write, the newest 1 kept (keep_last_n_checkpoints=1): up to " in caplog.text

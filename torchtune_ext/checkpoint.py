@@ -518,9 +518,11 @@ class CheckpointManager:
         """
         checkpoint_bytes += self._copied_bytes()
         saves = len(planned_save_steps(progress, loader, cfg))
-        on_disk = len(list_checkpoints(str(self.output_dir))) + saves
+        existing = len(list_checkpoints(str(self.output_dir)))
+        on_disk = existing + saves
         if self.keep_last_n is not None:  # a new checkpoint is complete before the oldest goes
             on_disk = min(on_disk, self.keep_last_n + 1)
+        to_come = max(on_disk - existing, 0)  # the free space already excludes the existing ones
         # Rank 0's figure on every rank, so that all ranks refuse together. By then every rank
         # has built its checkpointer (load), which makes the staging folder; see below.
         free = _from_rank_zero(shutil.disk_usage(_existing_parent(self.output_dir)).free)
@@ -539,7 +541,7 @@ class CheckpointManager:
             self.staging.rmdir()
         except OSError:
             pass  # not empty: an interrupted save's, which the next save clears
-        if free < on_disk * checkpoint_bytes:
+        if free < to_come * checkpoint_bytes:
             # a new checkpoint is complete before the oldest goes: with 1 kept, 2 are on disk at times
             lower = "lower keep_last_n_checkpoints or " if self.keep_last_n is None or self.keep_last_n > 1 else ""
             log.warning(f"{line}: not enough for all of them; {lower}free some space")
@@ -677,9 +679,9 @@ class CheckpointManager:
                                       f"could not be synced to disk ({_short(err)}); {final} is complete but may "
                                       f"not survive a crash of the machine: fix the cause, then continue with "
                                       f"resume_from_checkpoint=true") from err
-        self._prune(keep=final, suspect_from=suspect_from)
         log.info(f"Checkpoint saved: {final} ({format_bytes(sum(files.values()))} in "
                  f"{time.perf_counter() - start:.1f} s)")
+        self._prune(keep=final, suspect_from=suspect_from)
 
     def _copied_bytes(self) -> int:
         """The small files torchtune copies from the folder it loaded from (config, tokenizer)."""
@@ -715,7 +717,8 @@ class CheckpointManager:
         if not older:
             return "free some space"
         names = ", ".join(p.name for p in older[:3]) + (", ..." if len(older) > 3 else "")
-        return (f"free some space (resuming needs only the newest checkpoint: the {len(older)} older ones, {names}, "
+        which = "the older one" if len(older) == 1 else f"the {len(older)} older ones"
+        return (f"free some space (resuming needs only the newest checkpoint: {which}, {names}, "
                 f"can be deleted; a lower keep_last_n_checkpoints keeps fewer from then on)")
 
     def _after_failure(self, fix: str = "fix the cause", written: bool = True) -> str:
@@ -747,8 +750,10 @@ class CheckpointManager:
             try:
                 shutil.rmtree(old)
             except OSError as err:  # the new checkpoint is complete: training can go on
-                log.warning(f"keep_last_n_checkpoints={self.keep_last_n}: the old checkpoint '{old}' could not be "
-                            f"deleted ({_short(err)}); delete it by hand")
+                what = ("could not be deleted" if (old / MANIFEST).is_file() else
+                        f"was deleted only in part (its {MANIFEST} is gone: what is left is not a checkpoint)")
+                log.warning(f"keep_last_n_checkpoints={self.keep_last_n}: the old checkpoint '{old}' {what} "
+                            f"({_short(err)}); delete it by hand")
 
 
 def _short(err: BaseException) -> str:

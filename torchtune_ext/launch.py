@@ -165,7 +165,7 @@ def write_line(text: str) -> None:
     sys.stderr.flush()
 
 
-def _finish_wandb(status: int) -> None:
+def finish_wandb(status: int) -> None:
     """End this process's W&B run, if any, as failed with ``status``.
 
     Otherwise W&B's exit hook ends it later and prints its run summary after
@@ -186,7 +186,7 @@ def report_and_exit(message: str, status: int) -> None:
     An active W&B run is finished first, as failed with ``status``, so that
     the message is the last line printed.
     """
-    _finish_wandb(status)
+    finish_wandb(status)
     if _rank() == 0:
         write_line(message)  # an error during training may come while the progress bar is drawn
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")

@@ -39,7 +39,7 @@ from typing import Dict, Optional
 import torch
 import torch.distributed as dist
 
-from torchtune_ext.launch import EXIT_STOPPED, STOP_FILE_ENV, write_line
+from torchtune_ext.launch import EXIT_STOPPED, STOP_FILE_ENV, finish_wandb, write_line
 
 STOPPED_EXIT_STATUS = EXIT_STOPPED  # 75, EX_TEMPFAIL: a checkpoint was saved; resume to continue
 REPEAT_WINDOW_S = 1.0
@@ -127,6 +127,7 @@ class GracefulStop:
                 from), None if the run stopped before its first step.
             step: optimizer steps completed.
         """
+        finish_wandb(STOPPED_EXIT_STATUS)  # W&B's summary before the line, not after it
         if self._rank == 0:  # the main thread, with the progress bar maybe still drawn
             cause = signal.Signals(self._signal).name if self._signal is not None else "a signal on another rank"
             if checkpoint is None:
