@@ -322,3 +322,26 @@ def test_packed_documents_with_nothing_to_learn_are_counted_but_not_split_fragme
     assert [p["seq_lens"].tolist() for p in split.packs] == [[7, 1], [5, 3]]
     report = check_dataset(split, {"data_files": "x.json"}, "dataset", ignore_index=IGNORE, max_seq_len=None)
     assert (report.num_samples, report.problems()) == (2, [])
+
+
+@pytest.mark.parametrize("recipe,words", [
+    ("recipes/full_finetune_single_devic.py", ["is neither one of torchtune's nor a file; the recipes here: "
+                                               "recipes/full_finetune_distributed.py, "]),
+    ("ABS", ["tune run imports a recipe file by its path relative to the working directory",
+             "as recipes/full_finetune_single_device.py"]),
+], ids=["misspelled", "absolute"])
+def test_a_recipe_path_tune_run_cannot_import_is_a_command_line_error(recipe, words):
+    """tune run makes a module name of the path: without the check, a misspelled or absolute path is an
+    ImportError traceback with exit status 1."""
+    import subprocess
+
+    from helpers import REPO_ROOT
+
+    if recipe == "ABS":
+        recipe = str(REPO_ROOT / "recipes" / "full_finetune_single_device.py")
+    proc = subprocess.run(["tune", "run", recipe, "--config", "configs/smollm2/135M_full_single_device.yaml"],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"tune run: error: recipe '{recipe}'" in proc.stderr
+    for word in words:
+        assert word in proc.stderr

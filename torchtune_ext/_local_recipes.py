@@ -58,11 +58,36 @@ class TuneLauncherHook(importlib.abc.MetaPathFinder):
                 from torchtune_ext.launch import quiet_reported_failures
 
                 module.run = quiet_reported_failures(module.run)
+                module.Run._run_cmd = _check_recipe_path(module.Run._run_cmd)
             except Exception:  # never break `tune` itself: torchrun then reports failures as usual
                 pass
 
         spec.loader.exec_module = exec_and_wrap
         return spec
+
+
+def _check_recipe_path(run_cmd):
+    """Wrap ``tune run``'s ``Run._run_cmd``: a recipe that is neither torchtune's nor an existing ``.py`` file
+    (``recipes/full_finetune_single_devic.py``) is a command-line error (exit status 2), not an
+    ``ImportError`` traceback from importing the module name made from the path; so is an absolute path or
+    one outside the working directory, which ``tune run`` cannot import."""
+
+    def checked(self, args):
+        recipe = args.recipe
+        if self._get_recipe(recipe) is None:
+            if not os.path.isfile(recipe):
+                local = sorted(n for n in os.listdir("recipes") if n.endswith(".py") and not n.startswith("_")) \
+                    if os.path.isdir("recipes") else []
+                hint = (f"; the recipes here: {', '.join('recipes/' + n for n in local)}" if local else
+                        "; run tune from the repository root")
+                self._parser.error(f"recipe '{recipe}' is neither one of torchtune's nor a file{hint}")
+            if os.path.isabs(recipe) or os.path.normpath(recipe).startswith(".."):
+                self._parser.error(f"recipe '{recipe}': tune run imports a recipe file by its path relative to "
+                                   f"the working directory; run it from the repository root as "
+                                   f"recipes/{os.path.basename(recipe)}")
+        return run_cmd(self, args)
+
+    return checked
 
 
 def install() -> None:
