@@ -339,8 +339,26 @@ def test_a_failed_write_is_one_error_naming_the_checkpoint(manager, failure):
     with pytest.raises(CheckpointSaveError, match=r"saving step_2 in .* failed \((RuntimeError|OSError): ") as err:
         save(manager, 2)
     assert str(failure) in str(err.value) and f"{first} is intact" in str(err.value)
+    # an OSError names its cause; torch.save's and safetensors' reports do not: say what to look for
+    assert ("find why a write stopped short (a file size limit such as ulimit -f, a failing device), then "
+            "continue" in str(err.value)) == (not isinstance(failure, OSError))
     assert err.value.__cause__ is failure
     assert list_checkpoints(str(manager.output_dir)) == [first] and not manager.staging.exists()
+
+
+def test_a_write_that_fails_before_any_file_says_nothing_was_written(manager, monkeypatch):
+    """E.g. output_dir made read-only during training: the staging folder cannot even be made."""
+    first = save(manager, 1)
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied", str(manager.staging))
+
+    monkeypatch.setattr(manager._checkpointer, "save_checkpoint", refuse)
+    with pytest.raises(CheckpointSaveError) as err:
+        save(manager, 2)
+    assert str(err.value).endswith(f"(PermissionError: [Errno 13] Permission denied: '{manager.staging}'): nothing "
+                                   f"was written and {first} is intact: fix the cause, then continue with "
+                                   "resume_from_checkpoint=true")
 
 
 def test_a_bug_raised_while_handling_a_write_error_keeps_its_traceback(manager):

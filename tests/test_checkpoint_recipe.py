@@ -104,8 +104,9 @@ def test_a_write_that_fails_during_a_save_is_one_line(setup_yaml, tmp_path):
     errors = error_lines(proc)
     assert len(errors) == 1, errors
     assert errors[0].startswith(f"error: saving step_1 in output_dir '{out}' failed (RuntimeError: "), errors[0]
-    assert errors[0].endswith("the partial checkpoint was removed and no checkpoint of this run exists yet: fix the "
-                              "cause, then start the run again"), errors[0]
+    assert errors[0].endswith("the partial checkpoint was removed and no checkpoint of this run exists yet: find why "
+                              "a write stopped short (a file size limit such as ulimit -f, a failing device), then "
+                              "start the run again"), errors[0]
     assert not (out / ".staging").exists() and list_checkpoints(str(out)) == []
     again = tune(config)
     assert again.returncode == 0, again.stderr[-3000:]

@@ -397,6 +397,10 @@ _WRITE_FAILURES = ("unexpected pos", "iostream error", "PytorchStreamWriter fail
                    "cannot be opened", "I/O error", "IoError(Os")
 
 
+# torch.save and safetensors name no cause when a write stops short with room on the disk
+_WRITE_ADVICE = "find why a write stopped short (a file size limit such as ulimit -f, a failing device)"
+
+
 def _is_write_failure(err: BaseException) -> bool:
     """Did writing a file fail (a full disk, any ``OSError``: a file size limit, a read-only disk...)?
 
@@ -653,18 +657,20 @@ class CheckpointManager:
             _write_synced(written / MANIFEST, json.dumps({"step": progress.step, "files": files}, indent=1))
         except BaseException as err:
             try:  # the folder may be gone or unreadable too: that must not hide the error
-                partial = sum(p.stat().st_size for p in self.staging.rglob("*") if p.is_file())
+                staged = [p for p in self.staging.rglob("*") if p.is_file()]
+                partial, wrote = sum(p.stat().st_size for p in staged), bool(staged)
                 free_now: Optional[int] = shutil.disk_usage(self.output_dir).free
             except OSError:
-                partial, free_now = 0, None
+                partial, wrote, free_now = 0, True, None
             shutil.rmtree(self.staging, ignore_errors=True)
             if not (isinstance(err, Exception) and _is_write_failure(err)):
                 raise
             # torch.save reports a full disk as a bare RuntimeError: the free space tells
             if _is_disk_full(err) or (free_now is not None and free_now < needed - partial):
                 raise self._disk_space_error(final, needed, (free_now or 0) + partial, cause=err) from err
+            fix = "fix the cause" if isinstance(err, OSError) else _WRITE_ADVICE
             raise CheckpointSaveError(f"saving {final.name} in output_dir '{self.output_dir}' failed "
-                                      f"({_short(err)}): {self._after_failure()}") from err
+                                      f"({_short(err)}): {self._after_failure(fix, written=wrote)}") from err
         try:
             os.replace(written, final)
         except OSError as err:
