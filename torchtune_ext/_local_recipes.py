@@ -66,16 +66,24 @@ class TuneLauncherHook(importlib.abc.MetaPathFinder):
         return spec
 
 
+def _importable(module: str) -> bool:
+    """Whether ``module`` can be found on ``sys.path`` (a recipe may be a module on PYTHONPATH)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a missing parent package, an empty or relative name
+        return False
+
+
 def _check_recipe_path(run_cmd):
-    """Wrap ``tune run``'s ``Run._run_cmd``: a recipe that is neither torchtune's nor an existing ``.py`` file
-    (``recipes/full_finetune_single_devic.py``) is a command-line error (exit status 2), not an
-    ``ImportError`` traceback from importing the module name made from the path; so is an absolute path or
-    one outside the working directory, which ``tune run`` cannot import."""
+    """Wrap ``tune run``'s ``Run._run_cmd``: a recipe that is neither torchtune's, nor an existing ``.py``
+    file, nor a module on ``sys.path`` (``recipes/full_finetune_single_devic.py``) is a command-line error
+    (exit status 2), not an ``ImportError`` traceback from importing the module name made from the path;
+    so is an absolute path or one outside the working directory, which ``tune run`` cannot import."""
 
     def checked(self, args):
         recipe = args.recipe
         if self._get_recipe(recipe) is None:
-            if not os.path.isfile(recipe):
+            if not os.path.isfile(recipe) and not _importable(self._convert_to_dotpath(recipe)):
                 local = sorted(n for n in os.listdir("recipes") if n.endswith(".py") and not n.startswith("_")) \
                     if os.path.isdir("recipes") else []
                 hint = (f"; the recipes here: {', '.join('recipes/' + n for n in local)}" if local else
