@@ -472,8 +472,7 @@ class CheckpointManager:
         the base checkpoint's weight map), into the staging folder.
         """
         if self.staging.exists() and not self.staging.is_dir():
-            raise ConfigError("output_dir", f"'{self.staging}' is a file, but saves stage each checkpoint in a "
-                              f"folder of that name: move or delete the file")
+            raise ConfigError("output_dir", f"{self._staging_is_a_file()}: move or delete the file")
         overrides: Dict[str, Any] = {"output_dir": str(self.staging)}
         if resume_from is not None:
             manifest = verify_checkpoint(resume_from)
@@ -622,8 +621,7 @@ class CheckpointManager:
             if self.staging.is_dir():
                 shutil.rmtree(self.staging)  # left by an interrupted save
             elif self.staging.exists():  # made since start-up, where load() refuses it
-                raise CheckpointSaveError(f"saving {final.name} failed before writing: '{self.staging}' is a file, "
-                                          f"but saves stage each checkpoint in a folder of that name: "
+                raise CheckpointSaveError(f"saving {final.name} failed before writing: {self._staging_is_a_file()}: "
                                           f"{self._after_failure('move or delete the file', written=False)}")
             free = shutil.disk_usage(self.output_dir).free
         except OSError as err:
@@ -688,6 +686,9 @@ class CheckpointManager:
         log.info(f"Checkpoint saved: {final} ({format_bytes(sum(files.values()))} in "
                  f"{time.perf_counter() - start:.1f} s)")
         self._prune(keep=final, suspect_from=suspect_from)
+
+    def _staging_is_a_file(self) -> str:
+        return f"'{self.staging}' is a file, but saves stage each checkpoint in a folder of that name"
 
     def _copied_bytes(self) -> int:
         """The small files torchtune copies from the folder it loaded from (config, tokenizer)."""

@@ -118,7 +118,8 @@ def check_command_line(argv: List[str]) -> None:
         problem = err.problem or err.context or str(err)
         if err.problem and err.context:
             started = err.context_mark
-            at = f" at line {started.line + 1}, column {started.column + 1}" if started and (started.line, started.column) != (mark.line, mark.column) else ""
+            elsewhere = started is not None and (started.line, started.column) != (mark.line, mark.column)
+            at = f" at line {started.line + 1}, column {started.column + 1}" if elsewhere else ""
             problem += f" ({err.context}{at})"
         raise UserError(f"--config '{path}'{where}: {problem}") from None
     except Exception as err:  # unreadable, not text, an OmegaConf error
