@@ -227,10 +227,12 @@ def child_failure(tmp_path, rank, exitcode, message=None):
      "error: saving step_2 in 'x' failed (rank 1)\n"),  # a failed save (EX_IOERR)
     ({0: (1, None), 1: (-15, None)}, None, ""),  # a crash: torchrun's own report
 ], ids=["all-ranks", "rank0-then-stopped", "other-rank-only", "save-failed", "crash"])
-def test_launcher_exits_quietly_when_the_workers_reported(tmp_path, capsys, failures, status, printed):
+def test_launcher_exits_quietly_when_the_workers_reported(tmp_path, capsys, monkeypatch, failures, status, printed):
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from torchtune_ext.launch import quiet_reported_failures
+    from torchtune_ext.launch import OUTCOME_FILE_ENV, quiet_reported_failures
+
+    monkeypatch.setenv(OUTCOME_FILE_ENV, "")  # restored afterwards: the launcher sets it for its workers
 
     error = ChildFailedError("recipe", {r: child_failure(tmp_path, r, code, msg) for r, (code, msg) in failures.items()})
 
@@ -245,6 +247,34 @@ def test_launcher_exits_quietly_when_the_workers_reported(tmp_path, capsys, fail
             quiet_reported_failures(run)(None)
         assert exit_info.value.code == status
     assert capsys.readouterr().err == printed
+
+
+@pytest.mark.parametrize("recorded", [None, 74, 75], ids=["nothing-recorded", "save-failed", "stopped"])
+def test_launcher_signalled_too_exits_with_rank0s_recorded_status(monkeypatch, recorded):
+    """A scheduler's SIGTERM reaches the launcher as well as the workers, and torchrun's agent raises
+    SignalException, without the workers' statuses: the status rank 0 recorded is the launcher's exit status."""
+    import os
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from torchtune_ext import launch
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv(launch.OUTCOME_FILE_ENV, "")  # restored afterwards: the launcher sets it for its workers
+
+    def run(args):
+        if recorded is not None:
+            launch.record_outcome(recorded)  # rank 0 of a worker, after its line (same environment here)
+        raise SignalException("got signal: 15", sigval=15)
+
+    if recorded is None:
+        with pytest.raises(SignalException):
+            launch.quiet_reported_failures(run)(None)
+    else:
+        with pytest.raises(SystemExit) as exit_info:
+            launch.quiet_reported_failures(run)(None)
+        assert exit_info.value.code == recorded
+    assert not os.path.exists(os.environ[launch.OUTCOME_FILE_ENV])  # the launcher leaves nothing behind
 
 
 def test_the_error_line_comes_after_the_wandb_summary_and_the_run_is_marked_failed(tmp_path):

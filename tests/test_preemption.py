@@ -109,6 +109,32 @@ def test_second_signal_stops_at_once():
     assert "SIGINT received again: stopping at once" in proc.stderr
 
 
+@pytest.mark.parametrize("save_fails", [False, True], ids=["saved", "save-failed"])
+def test_a_scheduler_signalling_the_whole_job_gets_the_workers_exit_status(tiny, tmp_path, save_fails):
+    """SLURM and Kubernetes signal every process of the job, the ``tune`` launcher included: torchrun's agent then
+    ends with its own SignalException, which carries no worker status. The launcher must still exit with rank 0's
+    status, 75 after a saved stop and 74 when that stop's save failed, without a traceback."""
+    out = tmp_path / "out"
+    path = tmp_path / "dist.yaml"
+    OmegaConf.save(resume_jobs.config(tiny[0], "full_dist", out, *LONG), path)
+    proc = subprocess.Popen(["tune", "run", "--nproc_per_node", "2", "recipes/full_finetune_distributed.py",
+                             "--config", str(path)], cwd=REPO_ROOT, env=resume_jobs.subprocess_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    wait_for_steps(proc, out / "logs" / "metrics.jsonl", 3)
+    if save_fails:
+        (out / ".staging").touch()  # the stop's save cannot stage its checkpoint
+    os.killpg(proc.pid, signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=300)
+    assert "Traceback" not in stderr, stderr[-3000:]
+    if save_fails:
+        assert proc.returncode == 74, stderr[-3000:]
+        assert "error: saving step_" in stderr and "is a file" in stderr
+    else:
+        assert proc.returncode == STOPPED_EXIT_STATUS, stderr[-3000:]
+        assert "Stopped on SIGTERM after optimizer step" in stderr
+        verify_checkpoint(list_checkpoints(str(out))[-1])
+
+
 def test_resume_command_names_the_recipe_file(monkeypatch):
     argv = ["recipes.full_finetune_single_device", "--config", "my config.yaml", "resume_from_checkpoint=false",
             "batch_size=4"]

@@ -61,10 +61,11 @@ EXIT_IO_ERROR = 74
 # EX_TEMPFAIL of sysexits.h, "a temporary failure; retry": a checkpoint was saved, resume to continue
 EXIT_STOPPED = 75
 REPORTED_EXIT_CODES = (EXIT_USER_ERROR, EXIT_TRAINING_FAILED, EXIT_IO_ERROR, EXIT_STOPPED)
-# Set by the launcher for its workers: rank 0 of a run stopped by a signal writes this file
-# (torchtune_ext.preemption), so that the launcher can exit 75 even when the signal reached it
-# too and torchrun's agent ended with its own SignalException.
-STOP_FILE_ENV = "TORCHTUNE_EXT_STOP_FILE"
+# Set by the launcher for its workers: rank 0 writes the exit status it ends with (and has said why)
+# to this file (record_outcome), so that the launcher exits with that status even when a scheduler's
+# signal reached it too and torchrun's agent ended with its own SignalException, which carries no
+# worker status: a stop (75), and also a stop whose save failed (74).
+OUTCOME_FILE_ENV = "TORCHTUNE_EXT_OUTCOME_FILE"
 
 
 def _config_paths(argv: List[str]) -> List[str]:
@@ -181,6 +182,28 @@ def finish_wandb(status: int) -> None:
         pass
 
 
+def record_outcome(status: int) -> None:
+    """Rank 0, after printing its last line: tell torchrun's launcher the exit status (see :data:`OUTCOME_FILE_ENV`).
+
+    Does nothing outside ``tune run --nproc_per_node`` or on other ranks.
+    """
+    path = os.environ.get(OUTCOME_FILE_ENV)
+    if path and _rank() == 0:
+        try:
+            with open(path, "w") as f:
+                f.write(f"{status}\n")
+        except OSError:  # the launcher falls back to torchrun's own report
+            pass
+
+
+def _recorded_outcome(path: str) -> Optional[int]:
+    try:
+        with open(path) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def report_and_exit(message: str, status: int) -> None:
     """Print ``message`` on rank 0, leave it for torchrun's launcher, and exit with ``status``.
 
@@ -190,6 +213,7 @@ def report_and_exit(message: str, status: int) -> None:
     finish_wandb(status)
     if _rank() == 0:
         write_line(message)  # an error during training may come while the progress bar is drawn
+        record_outcome(status)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
         try:
@@ -237,13 +261,17 @@ def exit_on_user_error(recipe_main: Callable[..., Any]) -> Callable[..., Any]:
 def quiet_reported_failures(run: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap torchrun's ``run`` in the launcher: a job whose workers reported their own error exits quietly.
 
-    When the first worker to fail exited with a status of
+    When rank 0 recorded its exit status (:func:`record_outcome`: a stop, or
+    an expected error it printed), the launcher exits with that status,
+    whether torchrun's agent raised ``ChildFailedError`` or, when a
+    scheduler signalled the launcher too, ``SignalException``. Otherwise,
+    when the first worker to fail exited with a status of
     :data:`REPORTED_EXIT_CODES`, the workers have printed the one line that
-    matters (rank 0; see :func:`report_and_exit`). The launcher then exits
-    with that status instead of raising ``ChildFailedError`` (a traceback
-    and a failure report). If rank 0 did not fail that way, the failing
-    rank's line, read from its error file, is printed. Other failures are
-    reported by torchrun as usual.
+    matters (see :func:`report_and_exit`), and the launcher exits with that
+    status instead of raising ``ChildFailedError`` (a traceback and a
+    failure report); if rank 0 did not print it, the failing rank's line,
+    read from its error file, is printed. Other failures are reported by
+    torchrun as usual.
     """
     import logging
 
@@ -256,17 +284,19 @@ def quiet_reported_failures(run: Callable[..., Any]) -> Callable[..., Any]:
         from torch.distributed.elastic.multiprocessing.api import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-        stop_file = os.path.join(tempfile.gettempdir(), f"torchtune_ext_stop_{os.getpid()}_{time.time_ns()}")
-        os.environ[STOP_FILE_ENV] = stop_file
+        outcome_file = os.path.join(tempfile.gettempdir(), f"torchtune_ext_outcome_{os.getpid()}_{time.time_ns()}")
+        os.environ[OUTCOME_FILE_ENV] = outcome_file
         try:
             return run(*args, **kwargs)
         except SignalException:
-            if os.path.exists(stop_file):  # the workers stopped after saving (rank 0 said where)
-                sys.exit(EXIT_STOPPED)
+            status = _recorded_outcome(outcome_file)
+            if status is not None:  # rank 0 said how the run ended (a stop, or a save that failed)
+                sys.exit(status)
             raise
         except ChildFailedError as err:
-            if os.path.exists(stop_file):
-                sys.exit(EXIT_STOPPED)
+            status = _recorded_outcome(outcome_file)
+            if status is not None:
+                sys.exit(status)
             _, first = err.get_first_failure()
             reported = {r: f for r, f in err.failures.items() if f.exitcode in REPORTED_EXIT_CODES}
             if not reported or (first.exitcode >= 0 and first.exitcode not in REPORTED_EXIT_CODES):
@@ -280,8 +310,8 @@ def quiet_reported_failures(run: Callable[..., Any]) -> Callable[..., Any]:
                 print(f"{message} (rank {rank})", file=sys.stderr, flush=True)
             sys.exit(failure.exitcode)
         finally:
-            if os.path.exists(stop_file):
-                os.remove(stop_file)
+            if os.path.exists(outcome_file):
+                os.remove(outcome_file)
 
     return wrapper
 

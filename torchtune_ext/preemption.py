@@ -39,7 +39,7 @@ from typing import Dict, Optional
 import torch
 import torch.distributed as dist
 
-from torchtune_ext.launch import EXIT_STOPPED, STOP_FILE_ENV, finish_wandb, write_line
+from torchtune_ext.launch import EXIT_STOPPED, finish_wandb, record_outcome, write_line
 
 STOPPED_EXIT_STATUS = EXIT_STOPPED  # 75, EX_TEMPFAIL: a checkpoint was saved; resume to continue
 REPEAT_WINDOW_S = 1.0
@@ -136,9 +136,7 @@ class GracefulStop:
             else:
                 write_line(f"Stopped on {cause} after optimizer step {step}; checkpoint: {checkpoint}. "
                            f"Continue with: {resume_command()}  (exit status {STOPPED_EXIT_STATUS})")
-            if os.environ.get(STOP_FILE_ENV):  # tell torchrun's launcher (torchtune_ext.launch)
-                with open(os.environ[STOP_FILE_ENV], "w") as f:
-                    f.write(str(checkpoint))
+            record_outcome(STOPPED_EXIT_STATUS)  # for torchrun's launcher, which the signal may have reached too
         self._stopped = True
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()  # no rank exits (and makes torchrun stop the others) before this is said
