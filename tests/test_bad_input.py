@@ -375,3 +375,22 @@ def test_a_recipe_path_tune_run_cannot_import_is_a_command_line_error(recipe, wo
     assert f"tune run: error: recipe '{recipe}'" in proc.stderr
     for word in words:
         assert word in proc.stderr
+
+
+def test_torchtune_recipe_by_name_runs_upstreams_after_a_note_naming_ours(tmp_path):
+    """A torchtune user's habit, ``tune run full_finetune_single_device``, runs torchtune's recipe, which knows
+    none of this repository's config keys: it still runs (upstream recipes by name keep working), after a note.
+    A missing config makes upstream's run end at once (its own FileNotFoundError), so the test costs no training."""
+    import subprocess
+
+    from helpers import REPO_ROOT
+
+    proc = subprocess.run(["tune", "run", "full_finetune_single_device", "--config", str(tmp_path / "none.yaml")],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert ("note: 'full_finetune_single_device' runs torchtune's own recipe; this repository's (exact gradient "
+            "accumulation, which configs/ are written for) is 'tune run recipes/full_finetune_single_device.py'"
+            in proc.stderr), proc.stderr
+    assert "site-packages/recipes/full_finetune_single_device.py" in proc.stderr  # torchtune's recipe ran (and failed)
+    elsewhere = subprocess.run(["tune", "run", "full_finetune_single_device", "--config", str(tmp_path / "none.yaml")],
+                               cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert "note:" not in elsewhere.stderr  # no recipes/ of ours here: nothing to point at
