@@ -91,6 +91,40 @@ def test_a_good_config_passes(tiny_cfg):
     check_components(tiny_cfg(), CPU)
 
 
+WANDB = "metric_logger._component_=torchtune.training.metric_logging.WandBLogger"
+
+
+@pytest.mark.parametrize("override,words", [
+    ("metric_logger.mode=ofline", ["'metric_logger.mode': W&B rejects 'ofline': Input should be 'online', 'offline'"]),
+    ("metric_logger.project=123", ["'metric_logger.project': W&B rejects 123: Input should be a valid string"]),
+    ("metric_logger.tags=[1,[2]]", ["'metric_logger.tags': W&B rejects [1, [2]]"]),
+], ids=["mode", "project", "tags"])
+def test_wandb_settings_are_checked_before_loading(tiny_cfg, override, words):
+    """wandb.init validates its settings only when the logger starts, after the data check and the model load."""
+    with pytest.raises(ConfigError) as err:
+        check_components(tiny_cfg(WANDB, override), CPU)
+    for word in words:
+        assert word in str(err.value)
+    check_components(tiny_cfg(WANDB, "metric_logger.mode=offline", "metric_logger.project=p",
+                              "metric_logger.tags=[a,b]", "metric_logger.group=g"), CPU)
+
+
+def test_wandb_that_cannot_start_is_one_config_error(tiny_cfg, tmp_path, monkeypatch):
+    """mode=online without an API key: wandb.init raises UsageError when the logger starts (setup rolls back)."""
+    import wandb
+
+    from torchtune_ext.metrics import build_metric_logger
+
+    def refuse(**kwargs):
+        raise wandb.errors.UsageError("No API key configured. Use `wandb login` to log in.")
+
+    monkeypatch.setattr(wandb, "init", refuse)
+    cfg = tiny_cfg(WANDB, "metric_logger.mode=online", f"output_dir={tmp_path / 'out'}")
+    with pytest.raises(ConfigError, match=r"^config key 'metric_logger': W&B could not start a run \(UsageError: No "
+                       r"API key configured. .*\); metric_logger.mode=offline logs without an account or network"):
+        build_metric_logger(cfg, rank=0)
+
+
 def test_packed_rows_longer_than_the_model_takes(tiny_cfg):
     """pack_micro_batches builds rows up to the budget: one longer than the model's max_seq_len is refused."""
     cfg = tiny_cfg("pack_micro_batches=true", "max_tokens_per_micro_batch=4096", "model.max_seq_len=2048")

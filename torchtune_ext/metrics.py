@@ -23,7 +23,7 @@ from torchtune import config as tt_config
 from torchtune import utils
 
 from torchtune_ext import flops as flops_lib
-from torchtune_ext.config import enabled
+from torchtune_ext.config import ConfigError, enabled
 from torchtune_ext.flops import ModelFlops
 from torchtune_ext.step import StepResult
 
@@ -372,6 +372,10 @@ def build_metric_logger(cfg: DictConfig, rank: int, resume: bool = False) -> Met
     ``metric_logger`` means JSONL only. For W&B, the run id is kept in
     ``<output_dir>/logs/wandb_run_id`` and a resumed training run continues
     the same W&B run (``resume="allow"``).
+
+    Raises:
+        ConfigError: (key ``metric_logger``) the W&B logger could not start
+            its run, e.g. ``mode=online`` without an API key.
     """
     backend = None
     logs = Path(cfg.output_dir) / "logs"
@@ -381,7 +385,18 @@ def build_metric_logger(cfg: DictConfig, rank: int, resume: bool = False) -> Met
         id_file = logs / "wandb_run_id"
         if is_wandb and resume and id_file.is_file():
             kwargs = {"id": id_file.read_text().strip(), "resume": "allow"}
-        backend = tt_config.instantiate(cfg.metric_logger, **kwargs)
+        try:
+            backend = tt_config.instantiate(cfg.metric_logger, **kwargs)
+        except Exception as err:
+            if not is_wandb:
+                raise
+            # wandb.init's own refusals (no API key for mode=online, a server that cannot be reached):
+            # the setup is rolled back, nothing written is lost
+            reason = " ".join(str(err).split()) or type(err).__name__
+            raise ConfigError("metric_logger", f"W&B could not start a run ({type(err).__name__}: {reason}); "
+                              f"metric_logger.mode=offline logs without an account or network "
+                              f"(upload later with 'wandb sync'), metric_logger=null logs to "
+                              f"logs/metrics.jsonl only") from None
         if is_wandb:
             import wandb
 

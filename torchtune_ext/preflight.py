@@ -14,7 +14,10 @@ cheaply:
 3. the model builds on the meta device (no memory, no weights): builder
    errors, and an adapter on a tied output projection;
 4. the optimizer and the LR scheduler are built around one dummy parameter
-   (on the training device): their own value checks (``lr=-1``) run.
+   (on the training device): their own value checks (``lr=-1``) run;
+5. a W&B logger's run settings (``mode``, ``project``, ...) pass W&B's own
+   validation (``wandb.Settings``), which otherwise runs only when the
+   logger starts, after the model has loaded.
 
 Every problem is a :class:`~torchtune_ext.config.ConfigError` naming the key.
 """
@@ -130,6 +133,35 @@ def check_components(cfg: DictConfig, device: torch.device) -> None:
             _check_arguments(key, target, node)
     _check_model(cfg.model, cfg.get("max_tokens_per_micro_batch") if cfg.get("pack_micro_batches") else None)
     _check_optimizer(cfg, device)
+    _check_wandb_settings(cfg)
+
+
+# WandBLogger passes these to wandb.init, which stores them as these wandb.Settings fields
+_WANDB_SETTINGS = {"mode": "mode", "project": "project", "entity": "entity", "group": "run_group",
+                   "name": "run_name", "notes": "run_notes", "tags": "run_tags", "job_type": "run_job_type"}
+
+
+def _check_wandb_settings(cfg: DictConfig) -> None:
+    logger = enabled(cfg.get("metric_logger"))
+    if logger is None:
+        return
+    from torchtune.training.metric_logging import WandBLogger
+
+    target = resolve_component(logger._component_)
+    if not (isinstance(target, type) and issubclass(target, WandBLogger)):
+        return
+    import pydantic
+    import wandb
+
+    for key, field in _WANDB_SETTINGS.items():
+        if logger.get(key) is None:
+            continue
+        value = OmegaConf.to_object(logger[key]) if OmegaConf.is_config(logger[key]) else logger[key]
+        try:
+            wandb.Settings(**{field: tuple(value) if isinstance(value, list) else value})
+        except pydantic.ValidationError as err:
+            reason = err.errors()[0]["msg"] if err.errors() else _short(err)
+            raise ConfigError(f"metric_logger.{key}", f"W&B rejects {value!r}: {reason}") from None
 
 
 def _check_model(cfg_model: DictConfig, packed_row_tokens: Optional[int] = None) -> None:
