@@ -66,17 +66,23 @@ class TuneLauncherHook(importlib.abc.MetaPathFinder):
         return spec
 
 
-def _importable(module: str) -> bool:
-    """Whether ``module`` can be found on ``sys.path`` (a recipe may be a module on PYTHONPATH)."""
+def _runnable(module: str) -> bool:
+    """Whether ``module`` can be found on ``sys.path`` (a recipe may be a module on PYTHONPATH) and run:
+    a package runs only with a ``__main__`` module (``recipes.x`` becomes the package ``recipes``)."""
     try:
-        return importlib.util.find_spec(module) is not None
+        spec = importlib.util.find_spec(module)
+        if spec is not None and spec.submodule_search_locations is not None:
+            return importlib.util.find_spec(f"{module}.__main__") is not None
+        return spec is not None
     except (ImportError, ValueError):  # a missing parent package, an empty or relative name
         return False
 
 
 def _check_recipe_path(run_cmd):
     """Wrap ``tune run``'s ``Run._run_cmd``: a recipe that is neither torchtune's, nor an existing ``.py``
-    file, nor a module on ``sys.path`` (``recipes/full_finetune_single_devic.py``) is a command-line error
+    file, nor a runnable module on ``sys.path`` (``recipes/full_finetune_single_devic.py``, or the dotted
+    ``recipes.full_finetune_single_device``, which ``tune run`` turns into the package ``recipes``) is a
+    command-line error
     (exit status 2), not an ``ImportError`` traceback from importing the module name made from the path;
     so is an absolute path or one outside the working directory, which ``tune run`` cannot import. A
     recipe of torchtune's named where ``recipes/<name>.py`` exists still runs, after a note naming ours."""
@@ -88,12 +94,14 @@ def _check_recipe_path(run_cmd):
             print(f"note: '{recipe}' runs torchtune's own recipe; this repository's (exact gradient accumulation, "
                   f"which configs/ are written for) is 'tune run recipes/{recipe}.py'", file=sys.stderr, flush=True)
         if self._get_recipe(recipe) is None:
-            if not os.path.isfile(recipe) and not _importable(self._convert_to_dotpath(recipe)):
+            if not os.path.isfile(recipe) and not _runnable(self._convert_to_dotpath(recipe)):
                 local = sorted(n for n in os.listdir("recipes") if n.endswith(".py") and not n.startswith("_")) \
                     if os.path.isdir("recipes") else []
                 hint = (f"; the recipes here: {', '.join('recipes/' + n for n in local)}" if local else
                         "; run tune from the repository root")
-                self._parser.error(f"recipe '{recipe}' is neither one of torchtune's nor a file{hint}")
+                dotted = "" if os.path.splitext(recipe)[1] in ("", ".py") else \
+                    " (tune run takes a file path; what follows the last '.' is read as its extension)"
+                self._parser.error(f"recipe '{recipe}' is neither one of torchtune's nor a file{dotted}{hint}")
             if os.path.isabs(recipe) or os.path.normpath(recipe).startswith(".."):
                 self._parser.error(f"recipe '{recipe}': tune run imports a recipe file by its path relative to "
                                    f"the working directory; run it from the repository root as "
