@@ -432,3 +432,19 @@ def test_torchtune_recipe_by_name_runs_upstreams_after_a_note_naming_ours(tmp_pa
     elsewhere = subprocess.run(["tune", "run", "full_finetune_single_device", "--config", str(tmp_path / "none.yaml")],
                                cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert "note:" not in elsewhere.stderr  # no recipes/ of ours here: nothing to point at
+
+
+def test_the_last_line_comes_after_the_progress_bars_final_redraw(capsys):
+    """On a file or pipe, a bar still open when the run ends redraws itself when it is closed at exit:
+    the line saying how the run ended must come after that, as the last line."""
+    import sys
+
+    from tqdm import tqdm
+
+    from torchtune_ext.launch import write_line
+
+    bar = tqdm(total=4, file=sys.stderr)
+    bar.update(1)
+    write_line("error: the end")
+    bar.close()  # what the interpreter does at exit
+    assert capsys.readouterr().err.endswith("\nerror: the end\n")

@@ -157,12 +157,17 @@ def _rank() -> int:
 
 
 def write_line(text: str) -> None:
-    """Write ``text`` as one line of stderr, above the training progress bar if one is still drawn.
+    """Write ``text`` as the run's last line of stderr: progress bars still open are closed first.
 
-    For the main thread (tqdm takes a lock); a signal handler writes with ``os.write`` instead.
+    A bar left open is closed when the process exits, and on a file or pipe
+    (a SLURM log, ``| tee``) tqdm's closing redraw would then come after the
+    line that says how the run ended. For the main thread (tqdm takes a
+    lock); a signal handler writes with ``os.write`` instead.
     """
     from tqdm import tqdm
 
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
     tqdm.write(text, file=sys.stderr)
     sys.stderr.flush()
 
