@@ -448,3 +448,20 @@ def test_the_last_line_comes_after_the_progress_bars_final_redraw(capsys):
     write_line("error: the end")
     bar.close()  # what the interpreter does at exit
     assert capsys.readouterr().err.endswith("\nerror: the end\n")
+
+
+def test_torchrun_closing_the_other_workers_is_not_logged_after_rank0s_last_line(tmp_path, monkeypatch):
+    """Once rank 0 has printed and recorded how the run ended, torchrun's 'Sending process N closing signal'
+    warning for the workers still running would follow that line: it is dropped then, and only then."""
+    import logging
+
+    from torchtune_ext import launch
+
+    record = logging.LogRecord("torch.distributed.elastic.multiprocessing.api", logging.WARNING, "api.py", 1,
+                               "Sending process %s closing signal %s", (1234, "SIGTERM"), None)
+    outcome = tmp_path / "outcome"
+    monkeypatch.setenv(launch.OUTCOME_FILE_ENV, str(outcome))
+    monkeypatch.setenv("RANK", "0")
+    assert launch._drop_reported_failure_log(record)  # kept: no outcome recorded (e.g. a crash)
+    launch.record_outcome(2)
+    assert not launch._drop_reported_failure_log(record)

@@ -326,6 +326,10 @@ def _is_report(message: Any) -> bool:
 
 
 def _drop_reported_failure_log(record: Any) -> bool:
-    """torchrun logs ``failed (exitcode: N) local_rank: ...`` before raising; the worker said it already."""
+    """torchrun logs ``failed (exitcode: N) local_rank: ...`` before raising; the worker said it already.
+    Nor, once rank 0 has recorded how the run ended, ``Sending process N closing signal SIGTERM`` as it
+    ends the other workers: that would follow the line that should be the last."""
     args = record.args if isinstance(record.args, tuple) else ()
+    if str(record.msg).startswith("Sending process"):
+        return _recorded_outcome(os.environ.get(OUTCOME_FILE_ENV, "")) is None
     return not (str(record.msg).startswith("failed (exitcode") and args and args[0] in REPORTED_EXIT_CODES)
