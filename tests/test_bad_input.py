@@ -78,7 +78,10 @@ def tiny_cfg(tiny_run):
      ["'torchtune_ext.models' has no attribute 'no_such_model'"]),
     ("tokenizer._component_=no_such_package.tok", "tokenizer._component_", ["no module 'no_such_package'"]),
     ("model.num_heads=3", "model", ["cannot build this model", "num_heads"]),
-], ids=["lr-negative", "lr-text", "unknown-arg", "warmup-text", "no-component", "no-package", "builder"])
+    # refused as a loss, not for an argument (num_output_chunks) that only ours takes
+    ("loss._component_=torch.nn.MSELoss", "loss", ["torch.nn.MSELoss cannot be normalized exactly"]),
+], ids=["lr-negative", "lr-text", "unknown-arg", "warmup-text", "no-component", "no-package", "builder",
+        "not-cross-entropy"])
 def test_components_are_checked_before_loading(tiny_cfg, override, key, words):
     with pytest.raises(ConfigError) as err:
         check_components(tiny_cfg(override), CPU)
@@ -89,6 +92,9 @@ def test_components_are_checked_before_loading(tiny_cfg, override, key, words):
 
 def test_a_good_config_passes(tiny_cfg):
     check_components(tiny_cfg(), CPU)
+    # torchtune's loss runs as ours, which takes num_output_chunks=auto (the shipped configs' value)
+    check_components(tiny_cfg("loss._component_=torchtune.modules.loss.CEWithChunkedOutputLoss",
+                              "loss.num_output_chunks=auto"), CPU)
 
 
 WANDB = "metric_logger._component_=torchtune.training.metric_logging.WandBLogger"

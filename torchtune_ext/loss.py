@@ -348,7 +348,7 @@ _TORCHTUNE_CE_LOSSES = {
 }
 
 
-def build_loss(cfg_loss, compile: bool = False) -> SummedCrossEntropyLoss:
+def build_loss(cfg_loss, compile: bool = False, log_replacement: bool = True) -> SummedCrossEntropyLoss:
     """Instantiate the recipe's ``loss`` config as a sum-reduced loss.
 
     torchtune's mean-reduced cross-entropy losses (``CEWithChunkedOutputLoss``,
@@ -360,6 +360,8 @@ def build_loss(cfg_loss, compile: bool = False) -> SummedCrossEntropyLoss:
     Args:
         cfg_loss: the ``loss`` config node (``_component_`` plus arguments).
         compile (bool): compile the per-chunk loss (the recipe's ``compile`` key).
+        log_replacement (bool): log the replacement of torchtune's loss
+            (off for the config check before setup, which builds it once more).
 
     Raises:
         ConfigError: (key ``loss``) if it is neither ours nor a torchtune
@@ -375,6 +377,14 @@ def build_loss(cfg_loss, compile: bool = False) -> SummedCrossEntropyLoss:
     from torchtune_ext.config import ConfigError, check_output_chunks
 
     component = str(cfg_loss.get("_component_"))
+    not_exact = ConfigError("loss", f"{component} cannot be normalized exactly across micro-batches; use "
+                            "torchtune_ext.loss.SummedCrossEntropyLoss or torchtune.modules.loss.CEWithChunkedOutputLoss")
+    if component not in _TORCHTUNE_CE_LOSSES:
+        from torchtune_ext.preflight import resolve_component
+
+        target = resolve_component(component)
+        if isinstance(target, type) and not issubclass(target, SummedCrossEntropyLoss):
+            raise not_exact  # before its arguments: ours (num_output_chunks) would not be its own
     check_output_chunks("loss.num_output_chunks", cfg_loss.get("num_output_chunks", "auto"))
     if component in _TORCHTUNE_CE_LOSSES:
         args = {k: v for k, v in OmegaConf.to_container(cfg_loss).items() if k != "_component_"}
@@ -382,18 +392,16 @@ def build_loss(cfg_loss, compile: bool = False) -> SummedCrossEntropyLoss:
         if unsupported:
             raise ConfigError(f"loss.{unsupported[0]}", f"is not supported with {component}: the recipes sum "
                               "per-token cross-entropy and divide once by the step's token count")
-        logging.getLogger(__name__).info(
-            "loss: %s is computed as torchtune_ext.loss.SummedCrossEntropyLoss(%s): summed per token and "
-            "divided once by the optimizer step's trainable tokens (the same mean per token, exact under "
-            "gradient accumulation)", component, ", ".join(f"{k}={v}" for k, v in args.items()))
+        if log_replacement:
+            logging.getLogger(__name__).info(
+                "loss: %s is computed as torchtune_ext.loss.SummedCrossEntropyLoss(%s): summed per token and "
+                "divided once by the optimizer step's trainable tokens (the same mean per token, exact under "
+                "gradient accumulation)", component, ", ".join(f"{k}={v}" for k, v in args.items()))
         loss_fn = SummedCrossEntropyLoss(**args)
     else:
         loss_fn = tt_config.instantiate(cfg_loss)
     if not isinstance(loss_fn, SummedCrossEntropyLoss):
-        raise ConfigError(
-            "loss", f"{component} cannot be normalized exactly across micro-batches; use "
-            "torchtune_ext.loss.SummedCrossEntropyLoss or torchtune.modules.loss.CEWithChunkedOutputLoss"
-        )
+        raise not_exact
     if compile:
         loss_fn.compile_chunk()
     return loss_fn

@@ -32,6 +32,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from torchtune import config as tt_config
 
 from torchtune_ext.config import ConfigError, enabled
+from torchtune_ext.loss import SummedCrossEntropyLoss, build_loss
 
 
 def resolve_component(path: str) -> Any:
@@ -129,7 +130,10 @@ def check_components(cfg: DictConfig, device: torch.device) -> None:
             target = resolve_component(path)
         except Exception as err:
             raise ConfigError(f"{key}._component_", f"'{path}' cannot be imported: {err}") from None
-        if callable(target):
+        if key == "loss" and not (isinstance(target, type) and issubclass(target, SummedCrossEntropyLoss)):
+            # torchtune's cross-entropy is replaced by ours, which takes num_output_chunks=auto: check what runs
+            build_loss(node, log_replacement=False)
+        elif callable(target):
             _check_arguments(key, target, node)
     _check_model(cfg.model, cfg.get("max_tokens_per_micro_batch") if cfg.get("pack_micro_batches") else None)
     _check_optimizer(cfg, device)
