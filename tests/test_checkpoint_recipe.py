@@ -137,3 +137,35 @@ def test_a_file_named_like_the_staging_folder_stops_before_training(setup_yaml, 
         with output_dir_unchanged_on_error(str(out)):
             recipe.setup()
     assert (out / ".staging").read_text() == "a user's file" and list_checkpoints(str(out)) == []
+
+
+@pytest.mark.parametrize("error,status", [(ConfigError("k", "bad"), 2), (RuntimeError("a crash"), 1)],
+                         ids=["bad-input", "crash"])
+def test_a_failed_setup_removes_what_it_added_at_any_depth_and_finishes_wandb_first(tmp_path, monkeypatch,
+                                                                                   error, status):
+    """A resume's setup adds logs/config_<N>.yaml and a W&B segment inside the existing logs/: they go, with
+    what setup created at the top (the staging folder); every file that was there stays as it was. The W&B
+    run is finished (with the status the run will end with) before its folder is removed."""
+    from torchtune_ext import launch
+
+    out = tmp_path / "out"
+    old = {"logs/metrics.jsonl": "{}\n", "logs/config_1.yaml": "a: 1\n", "logs/wandb/offline-run-1/run.wandb": "x",
+           "step_2/model.safetensors": "w"}
+    for name, text in old.items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text(text)
+    finished = []
+    monkeypatch.setattr(launch, "finish_wandb",
+                        lambda code, quiet: finished.append((code, quiet, (out / "logs/wandb/offline-run-2").exists())))
+    with pytest.raises(type(error)):
+        with output_dir_unchanged_on_error(str(out)):
+            for name in ("logs/config_2.yaml", "logs/wandb/offline-run-2/run.wandb", "logs/wandb/latest-run",
+                         ".staging/x"):
+                (out / name).parent.mkdir(parents=True, exist_ok=True)
+                (out / name).write_text("new")
+            raise error
+    found = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+    assert found == sorted(old) and all((out / n).read_text() == t for n, t in old.items())
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_dir()) == [
+        "logs", "logs/wandb", "logs/wandb/offline-run-1", "step_2"]
+    assert finished == [(status, True, True)]  # before the removal, without W&B's summary

@@ -89,6 +89,22 @@ def test_output_dir_is_a_file(cfg, tmp_path):
         validate(cfg)
 
 
+def test_output_folders_under_a_file_are_refused_naming_their_key(cfg, tmp_path):
+    """torchtune creates profiler.output_dir at setup, after the model has loaded: a NotADirectoryError traceback."""
+    (tmp_path / "file").write_text("")
+    cfg.output_dir = str(tmp_path / "file" / "out")
+    with pytest.raises(ConfigError, match=r"^config key 'output_dir': '.*/file/out' cannot be created: "
+                                          r"'.*/file' is a file"):
+        validate(cfg)
+    cfg.output_dir = str(tmp_path / "out")
+    cfg.profiler = {"_component_": "torchtune.training.setup_torch_profiler", "enabled": True,
+                    "output_dir": str(tmp_path / "file" / "x" / "profiles")}
+    with pytest.raises(ConfigError, match=r"^config key 'profiler.output_dir': .* '.*/file' is a file"):
+        validate(cfg)
+    cfg.profiler.enabled = False  # not created when off
+    validate(cfg)
+
+
 def test_dtype_and_device_choices(cfg):
     cfg.dtype = "fp16"
     with pytest.raises(ConfigError, match="'dtype'.*fp32, bf16"):

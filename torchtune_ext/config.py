@@ -529,22 +529,24 @@ def check_input_files(cfg: DictConfig, dataset_keys: Optional[Tuple[str, ...]] =
                     raise _missing_input(f"{prefix}.data_files", path)
 
 
-def check_output_dir(path: str) -> None:
-    """``output_dir`` must be a directory we can write to (created if absent).
+def check_output_dir(path: str, key: str = "output_dir") -> None:
+    """``path`` (the value of config key ``key``) must be a directory we can write to (created if absent).
 
     Raises:
-        ConfigError: if it is a file, or not writable.
+        ConfigError: naming ``key``, if it is a file, lies under a file, or is not writable.
     """
     if os.path.exists(path) and not os.path.isdir(path):
-        raise ConfigError("output_dir", f"'{path}' exists and is not a directory")
+        raise ConfigError(key, f"'{path}' exists and is not a directory")
     probe = path
     while not os.path.exists(probe):
         parent = os.path.dirname(os.path.abspath(probe))
         if parent == probe:
             break
         probe = parent
+    if os.path.exists(probe) and not os.path.isdir(probe):
+        raise ConfigError(key, f"'{path}' cannot be created: '{probe}' is a file")
     if not os.access(probe, os.W_OK | os.X_OK):
-        raise ConfigError("output_dir", f"'{path}' is not writable (checked '{probe}')")
+        raise ConfigError(key, f"'{path}' is not writable (checked '{probe}')")
 
 
 def _check_validation(cfg: DictConfig, training: bool) -> None:
@@ -720,6 +722,9 @@ def validate(cfg: DictConfig, extra_keys: Optional[Dict[str, Key]] = None,
     _check_combinations(cfg, training)
     if training:
         check_output_dir(cfg.output_dir)
+        profiler = cfg.get("profiler")
+        if profiler is not None and profiler.get("enabled", False) is True and profiler.get("output_dir"):
+            check_output_dir(str(profiler.output_dir), "profiler.output_dir")  # torchtune creates it at setup
         check_input_files(cfg)
     else:
         if cfg.get(evaluate_on) is None:
@@ -739,23 +744,39 @@ def output_dir_unchanged_on_error(path: str) -> Iterator[None]:
     """Undo what setup created in ``output_dir`` if setup fails.
 
     On any exception inside the block (bad input, or a crash while loading),
-    entries of ``path`` that did not exist before are removed (and ``path``
-    itself, if it was created): the staging folder the checkpointer creates,
-    a new ``logs/``. Entries that existed before are never touched. Use it
-    around a recipe's ``setup()`` only: training writes are never rolled back.
+    files and folders under ``path`` that did not exist before are removed,
+    at any depth (and ``path`` itself, if it was created): the staging folder
+    the checkpointer creates, a new ``logs/``, and on a resume the new
+    ``logs/config_<N>.yaml`` and W&B run segment. A W&B run started in the
+    block is finished first (as failed, without its summary), so that W&B
+    neither writes into nor names a removed folder. Entries that existed before are never touched.
+    Use it around a recipe's ``setup()`` only: training writes are never
+    rolled back.
     """
     existed = os.path.isdir(path)
-    before = set(os.listdir(path)) if existed else set()
+    before = _tree(path) if existed else set()
     try:
         yield
-    except BaseException:
+    except BaseException as err:
+        from torchtune_ext.launch import EXIT_USER_ERROR, finish_wandb
+
+        finish_wandb(EXIT_USER_ERROR if isinstance(err, UserError) else 1, quiet=True)  # the run's own status
         if not existed:
             shutil.rmtree(path, ignore_errors=True)
         elif os.path.isdir(path):
-            for name in set(os.listdir(path)) - before:
+            for name in sorted(_tree(path) - before):  # a folder sorts before what it holds
                 target = os.path.join(path, name)
                 if os.path.isdir(target) and not os.path.islink(target):
                     shutil.rmtree(target, ignore_errors=True)
-                else:
+                elif os.path.lexists(target):  # not inside a folder removed just before
                     os.remove(target)
         raise
+
+
+def _tree(path: str) -> set:
+    """Paths of everything under ``path``, relative to it (links are not followed)."""
+    found = set()
+    for root, dirs, files in os.walk(path):
+        rel = os.path.relpath(root, path)
+        found.update(os.path.normpath(os.path.join(rel, name)) for name in dirs + files)
+    return found

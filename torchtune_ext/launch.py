@@ -172,15 +172,22 @@ def write_line(text: str) -> None:
     sys.stderr.flush()
 
 
-def finish_wandb(status: int) -> None:
+def finish_wandb(status: int, quiet: bool = False) -> None:
     """End this process's W&B run, if any, as failed with ``status``.
 
     Otherwise W&B's exit hook ends it later and prints its run summary after
     the error line, which should be the last thing the user reads.
+    ``quiet``: without W&B's summary, whose ``wandb sync <folder>`` would name
+    a folder about to be removed (a setup that failed is rolled back).
     """
     wandb = sys.modules.get("wandb")  # imported only where a W&B logger was built
     if wandb is None or getattr(wandb, "run", None) is None:
         return
+    try:
+        if quiet:
+            wandb.run._settings.quiet = True  # no public switch once the run has started (wandb 0.31)
+    except Exception:
+        pass
     try:
         wandb.finish(exit_code=status)
     except Exception:  # the error line matters more than W&B's bookkeeping
