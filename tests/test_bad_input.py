@@ -471,3 +471,18 @@ def test_torchrun_closing_the_other_workers_is_not_logged_after_rank0s_last_line
     assert launch._drop_reported_failure_log(record)  # kept: no outcome recorded (e.g. a crash)
     launch.record_outcome(2)
     assert not launch._drop_reported_failure_log(record)
+
+
+def test_config_given_with_an_equals_sign_is_accepted_by_tune_run(tmp_path):
+    """argparse's --config=FILE form: torchtune's tune run looks for a separate '--config' and says it is missing.
+    A missing file shows the name reached the recipe's own check (one line, exit 2), also a packaged name."""
+    import subprocess
+
+    from helpers import REPO_ROOT
+
+    for config, words in ((str(tmp_path / "none.yaml"), f"'{tmp_path / 'none.yaml'}' does not exist"),
+                          ("qwen2_5/0.5B_lora_single_device", "config key 'checkpointer.checkpoint_dir'")):
+        proc = subprocess.run(["tune", "run", "recipes/lora_finetune_single_device.py", f"--config={config}"],
+                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2 and "argument is required" not in proc.stderr, proc.stderr
+        assert words in proc.stderr, proc.stderr

@@ -85,10 +85,14 @@ def _check_recipe_path(run_cmd):
     command-line error
     (exit status 2), not an ``ImportError`` traceback from importing the module name made from the path;
     so is an absolute path or one outside the working directory, which ``tune run`` cannot import. A
-    recipe of torchtune's named where ``recipes/<name>.py`` exists still runs, after a note naming ours."""
+    recipe of torchtune's named where ``recipes/<name>.py`` exists still runs, after a note naming ours.
+    ``--config=FILE`` is passed on as ``--config FILE``, the form ``tune run`` looks for."""
 
     def checked(self, args):
         recipe = args.recipe
+        # argparse's --config=FILE form: tune run looks for a separate "--config" (and would say it is missing)
+        args.recipe_args = [part for arg in args.recipe_args for part in
+                            (["--config", arg[len("--config="):]] if arg.startswith("--config=") else [arg])]
         if self._get_recipe(recipe) is not None and os.path.isfile(os.path.join("recipes", f"{recipe}.py")):
             # Habit from torchtune: the name runs upstream's recipe, which knows none of our config keys
             print(f"note: '{recipe}' runs torchtune's own recipe; this repository's (exact gradient accumulation, "
