@@ -50,12 +50,12 @@ import torch.distributed as dist
 from torch import nn
 from torchtune import utils
 
+from torchtune_ext.checkpoint import format_bytes
 from torchtune_ext.runtime import allocator_free_bytes
 
 # torchtune's logger: the recipes' INFO lines show, so a mode change is seen in the run's output
 log = utils.get_logger("INFO")
 
-GIB = 1024**3
 
 # Fraction of the available memory a step may plan to use, per device type (see the module docstring).
 HEADROOM = {"cpu": 0.7, "cuda": 0.85}
@@ -473,8 +473,8 @@ class MemoryGuard:
         if once_per_step:
             if rank in (None, 0):
                 level = logging.INFO if self._last_fallback == "device" else logging.DEBUG
-                log.log(level, "Step %d: backward once per step again (estimated %.2f GiB%s, %s available).", step,
-                        self._job_needs[0] / GIB, " on the largest rank" if dist.is_initialized()
+                log.log(level, "Step %d: backward once per step again (estimated %s%s, %s available).", step,
+                        format_bytes(self._job_needs[0]), " on the largest rank" if dist.is_initialized()
                         and dist.get_world_size() > 1 else "",
                         _gib(self._available(self.device)))
             return
@@ -484,18 +484,18 @@ class MemoryGuard:
         if why == "device":
             need = step_peak_bytes(self.shape, micro_batches, once_per_step=True)  # this rank's own
             where = "" if rank is None else f" on rank {rank}"
-            log.warning("Step %d: backward once per step would need about %.2f GiB, %s available%s: running "
+            log.warning("Step %d: backward once per step would need about %s, %s available%s: running "
                         "backward per micro-batch (same gradients) while it does not fit.",
-                        step, need / GIB, _gib(self._available(self.device)), where)
+                        step, format_bytes(need), _gib(self._available(self.device)), where)
         elif rank in (None, 0):
             level = logging.DEBUG if self._told else logging.INFO
             if why == "torchtune":
                 once_bytes, torchtune_bytes = self._job_needs  # the largest rank's, under several
-                log.log(level, "Step %d: backward once per step would need about %.2f GiB, more than torchtune's "
-                        "recipe needs for the same samples (about %.2f GiB, backward per padded micro-batch): "
+                log.log(level, "Step %d: backward once per step would need about %s, more than torchtune's "
+                        "recipe needs for the same samples (about %s, backward per padded micro-batch): "
                         "running backward per micro-batch (same gradients) for such steps; "
-                        "once_per_step_memory_limit=device lifts this bound.", step, once_bytes / GIB,
-                        torchtune_bytes / GIB)
+                        "once_per_step_memory_limit=device lifts this bound.", step, format_bytes(once_bytes),
+                        format_bytes(torchtune_bytes))
                 self._told = True
             else:
                 log.info("Step %d: another rank lacks the memory for backward once per step: running "
@@ -503,7 +503,7 @@ class MemoryGuard:
 
 
 def _gib(value: Optional[int]) -> str:
-    return "unknown" if value is None else f"{value / GIB:.2f} GiB"
+    return "unknown" if value is None else format_bytes(value)
 
 
 def decide(need_bytes: int, available_bytes: Optional[int], headroom: float = 0.85) -> bool:
