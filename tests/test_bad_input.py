@@ -486,3 +486,31 @@ def test_config_given_with_an_equals_sign_is_accepted_by_tune_run(tmp_path):
                               cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 2 and "argument is required" not in proc.stderr, proc.stderr
         assert words in proc.stderr, proc.stderr
+
+
+def test_wandb_that_cannot_start_under_torchrun_stops_every_rank_with_one_line(tmp_path):
+    """Only rank 0 starts W&B: when it cannot (mode=online, no API key, no terminal), the other ranks must not go on
+    into training and fail in a collective (a traceback per rank): exit 2, rank 0's line last, nothing left."""
+    import os
+    import subprocess
+
+    from omegaconf import OmegaConf
+
+    import resume_jobs
+    from helpers import REPO_ROOT
+
+    out = tmp_path / "out"
+    cfg = resume_jobs.config(resume_jobs.setup(tmp_path), "full_dist", out)
+    cfg.metric_logger = {"_component_": "torchtune.training.metric_logging.WandBLogger", "mode": "online",
+                         "log_dir": str(out / "logs")}
+    OmegaConf.save(cfg, tmp_path / "dist.yaml")
+    home = tmp_path / "home"  # no ~/.netrc, no W&B settings: no credentials to find
+    env = {k: v for k, v in resume_jobs.subprocess_env().items() if not k.startswith("WANDB_")}
+    env.update(HOME=str(home), WANDB_CONFIG_DIR=str(home / ".config" / "wandb"), WANDB_SILENT="true")
+    proc = subprocess.run(["tune", "run", "--nproc_per_node", "2", "recipes/full_finetune_distributed.py", "--config",
+                           str(tmp_path / "dist.yaml")], cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: config key 'metric_logger': W&B could not start")
+    assert not out.exists()

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torchtune import config as tt_config
 from torchtune import utils
@@ -373,11 +374,14 @@ def build_metric_logger(cfg: DictConfig, rank: int, resume: bool = False) -> Met
     ``<output_dir>/logs/wandb_run_id`` and a resumed training run continues
     the same W&B run (``resume="allow"``).
 
+    Under torchrun every rank calls it (a collective): when rank 0's W&B run
+    cannot start, every rank raises, so none goes on to train alone.
+
     Raises:
         ConfigError: (key ``metric_logger``) the W&B logger could not start
             its run, e.g. ``mode=online`` without an API key.
     """
-    backend = None
+    backend, is_wandb, failure = None, False, None
     logs = Path(cfg.output_dir) / "logs"
     if rank == 0 and enabled(cfg.get("metric_logger")) is not None:
         kwargs = {}
@@ -393,17 +397,25 @@ def build_metric_logger(cfg: DictConfig, rank: int, resume: bool = False) -> Met
             # wandb.init's own refusals (no API key for mode=online, a server that cannot be reached):
             # the setup is rolled back, nothing written is lost
             reason = " ".join(str(err).split()) or type(err).__name__
-            raise ConfigError("metric_logger", f"W&B could not start a run ({type(err).__name__}: {reason}); "
-                              f"metric_logger.mode=offline logs without an account or network "
-                              f"(upload later with 'wandb sync'), metric_logger=null logs to "
-                              f"logs/metrics.jsonl only") from None
-        if is_wandb:
+            failure = ConfigError("metric_logger", f"W&B could not start a run ({type(err).__name__}: {reason}); "
+                                  f"metric_logger.mode=offline logs without an account or network "
+                                  f"(upload later with 'wandb sync'), metric_logger=null logs to "
+                                  f"logs/metrics.jsonl only")
+        if backend is not None and is_wandb:
             import wandb
 
             if wandb.run is not None:
                 logs.mkdir(parents=True, exist_ok=True)
                 id_file.write_text(wandb.run.id)
                 define_wandb_axes()
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        # Only rank 0 starts the logger: the other ranks must not go on to train and wait for it
+        said = [None if failure is None else str(failure)]
+        dist.broadcast_object_list(said, src=0)
+        if failure is None and said[0] is not None:
+            failure = ConfigError("metric_logger", "W&B could not start a run on rank 0 (rank 0 says why)")
+    if failure is not None:
+        raise failure
     return MetricLogger(logs / "metrics.jsonl", backend, rank, wandb_charts=backend is not None and is_wandb,
                         resume=resume)
 
