@@ -124,8 +124,11 @@ def test_shift_never_crosses_documents():
         shift_labels(labels, IGNORE, document_ids[:, :3])
 
 
-def test_torchtune_losses_become_summed():
-    """torchtune's mean-reduced CE configs map to ours with the same chunking and ignore_index."""
+def test_torchtune_losses_become_summed(caplog):
+    """torchtune's mean-reduced CE configs map to ours with the same chunking and ignore_index; the replacement
+    is said on torchtune's logger, the one whose INFO lines the recipes show (a module logger has no handler)."""
+    import logging
+
     from omegaconf import OmegaConf
 
     from torchtune_ext.config import ConfigError
@@ -133,12 +136,16 @@ def test_torchtune_losses_become_summed():
 
     upstream = OmegaConf.create({"_component_": "torchtune.modules.loss.CEWithChunkedOutputLoss",
                                  "num_output_chunks": 4, "ignore_index": -1})
-    loss_fn = build_loss(upstream)
+    with caplog.at_level(logging.INFO):
+        loss_fn = build_loss(upstream)
+    said = [r for r in caplog.records if "is computed as torchtune_ext.loss.SummedCrossEntropyLoss" in r.message]
+    assert [r.name for r in said] == ["torchtune.utils._logging"]
     assert isinstance(loss_fn, SummedCrossEntropyLoss)
     assert (loss_fn.num_output_chunks, loss_fn.ignore_index) == (4, -1)
     plain = build_loss(OmegaConf.create({"_component_": "torch.nn.CrossEntropyLoss"}))
     assert isinstance(plain, SummedCrossEntropyLoss) and plain.ignore_index == IGNORE
-    with pytest.raises(ConfigError, match="loss.label_smoothing"):
+    with pytest.raises(ConfigError, match="loss.label_smoothing': is not supported with torch.nn.CrossEntropyLoss, "
+                       "which runs as torchtune_ext.loss.SummedCrossEntropyLoss .*; it takes ignore_index$"):
         build_loss(OmegaConf.create({"_component_": "torch.nn.CrossEntropyLoss", "label_smoothing": 0.1}))
     with pytest.raises(ConfigError, match="cannot be normalized exactly"):
         build_loss(OmegaConf.create({"_component_": "torch.nn.MSELoss"}))

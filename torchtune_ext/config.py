@@ -559,8 +559,11 @@ def _check_validation(cfg: DictConfig, training: bool) -> None:
         raise ConfigError("dataset_val", f"is required by {asked}: add a dataset_val (a dataset config, as "
                           "`dataset`), or set run_val_every_n_steps=null run_val_at_start=false")
     if cfg.dataset_val is not None and not validation_enabled(cfg):
-        log.info("dataset_val is set but run_val_every_n_steps is null: no validation during training "
-                 "(set run_val_every_n_steps=N to validate every N optimizer steps and at the end)")
+        from torchtune import utils
+
+        utils.get_logger().info(  # torchtune's logger: the recipes' INFO lines are shown, this module's are not
+            "dataset_val is set but run_val_every_n_steps is null: no validation during training "
+            "(set run_val_every_n_steps=N to validate every N optimizer steps and at the end)")
 
 
 def _on_cuda(cfg: DictConfig) -> bool:

@@ -369,10 +369,8 @@ def build_loss(cfg_loss, compile: bool = False, log_replacement: bool = True) ->
             (e.g. ``reduction``, ``label_smoothing``, class weights);
             (``loss.num_output_chunks``) neither ``auto`` nor a positive integer.
     """
-    import logging
-
     from omegaconf import OmegaConf
-    from torchtune import config as tt_config
+    from torchtune import config as tt_config, utils
 
     from torchtune_ext.config import ConfigError, check_output_chunks
 
@@ -390,10 +388,12 @@ def build_loss(cfg_loss, compile: bool = False, log_replacement: bool = True) ->
         args = {k: v for k, v in OmegaConf.to_container(cfg_loss).items() if k != "_component_"}
         unsupported = sorted(set(args) - set(_TORCHTUNE_CE_LOSSES[component]))
         if unsupported:
-            raise ConfigError(f"loss.{unsupported[0]}", f"is not supported with {component}: the recipes sum "
-                              "per-token cross-entropy and divide once by the step's token count")
+            raise ConfigError(f"loss.{unsupported[0]}", f"is not supported with {component}, which runs as "
+                              f"torchtune_ext.loss.SummedCrossEntropyLoss (per-token cross-entropy summed and "
+                              f"divided once by the step's token count); it takes "
+                              f"{' and '.join(_TORCHTUNE_CE_LOSSES[component])}")
         if log_replacement:
-            logging.getLogger(__name__).info(
+            utils.get_logger().info(  # torchtune's logger: the recipes' INFO lines are shown
                 "loss: %s is computed as torchtune_ext.loss.SummedCrossEntropyLoss(%s): summed per token and "
                 "divided once by the optimizer step's trainable tokens (the same mean per token, exact under "
                 "gradient accumulation)", component, ", ".join(f"{k}={v}" for k, v in args.items()))
