@@ -105,6 +105,21 @@ def test_output_folders_under_a_file_are_refused_naming_their_key(cfg, tmp_path)
     validate(cfg)
 
 
+@pytest.mark.parametrize("key,value,words", [
+    ("active_steps", 0, "expected an integer >= 1 or null, got 0"),
+    ("wait_steps", -1, "expected an integer >= 0 or null, got -1"),
+    ("num_cycles", "abc", "expected an integer >= 0 or null, got 'abc'"),
+    ("with_stack", "yes", "expected true or false, got 'yes'"),
+])
+def test_profiler_values_torch_would_assert_on_later(cfg, key, value, words):
+    cfg.profiler = {"_component_": "torchtune.training.setup_torch_profiler", "enabled": True, key: value}
+    with pytest.raises(ConfigError, match=f"^config key 'profiler.{key}': {words}$"):
+        validate(cfg)
+    cfg.profiler = {"_component_": "torchtune.training.setup_torch_profiler", "enabled": True, "wait_steps": 0,
+                    "warmup_steps": 0, "active_steps": 1, "num_cycles": 0, "with_stack": False}
+    validate(cfg)
+
+
 def test_dtype_and_device_choices(cfg):
     cfg.dtype = "fp16"
     with pytest.raises(ConfigError, match="'dtype'.*fp32, bf16"):

@@ -197,6 +197,14 @@ def _profiler(key: str, value: Any) -> None:
     if component not in (PROFILER_COMPONENT, None):
         raise ConfigError(f"{key}._component_", f"only {PROFILER_COMPONENT} is supported, got {component!r}")
     _boolean(f"{key}.enabled", value.get("enabled", False))
+    for flag in ("cpu", "cuda", "xpu", "profile_memory", "with_stack", "record_shapes", "with_flops"):
+        if value.get(flag) is not None:
+            _boolean(f"{key}.{flag}", value[flag])
+    # torch.profiler.schedule's own bounds (it asserts them when the profiler is set up, after the model load)
+    for name, least in (("wait_steps", 0), ("warmup_steps", 0), ("active_steps", 1), ("num_cycles", 0)):
+        steps = value.get(name)
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < least):
+            raise ConfigError(f"{key}.{name}", f"expected an integer >= {least} or null, got {steps!r}")
 
 
 # Multimodal model families: their forward takes images (encoder_input) and
