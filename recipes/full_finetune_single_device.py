@@ -167,7 +167,7 @@ class FullFinetuneRecipeSingleDevice:
                 self.save_checkpoint()
         reporter.close()
         log.info(self._health.finish())  # a summary; an error if the run ended in non-finite steps
-        return 0
+        return self._stop.finished()  # a signal during the cleanup no longer changes the outcome
 
     # ------------------------------------------------------------- checkpoint
     def save_checkpoint(self) -> Path:

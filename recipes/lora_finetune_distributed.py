@@ -216,7 +216,7 @@ class LoRAFinetuneRecipeDistributed:
                 self.save_checkpoint()
         reporter.close()
         utils.log_rank_zero(log, self._health.finish())  # a summary; an error if the run ended in non-finite steps
-        return 0
+        return self._stop.finished()  # a signal during the cleanup no longer changes the outcome
 
     # ------------------------------------------------------------- checkpoint
     def save_checkpoint(self) -> Path:

@@ -135,6 +135,27 @@ def test_a_scheduler_signalling_the_whole_job_gets_the_workers_exit_status(tiny,
         verify_checkpoint(list_checkpoints(str(out))[-1])
 
 
+FINISHED_SCRIPT = textwrap.dedent("""
+    import os, signal, time
+    import torch
+    from torchtune_ext.preemption import GracefulStop
+    stop = GracefulStop(torch.device("cpu"))
+    assert stop.finished() == 0   # training ran to its end; the cleanup (W&B's finish) follows
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(5)
+    print("not stopped", flush=True)
+""")
+
+
+def test_a_signal_during_the_cleanup_of_a_finished_run_exits_0():
+    """After training finished (checkpoint saved), a SIGTERM while W&B finishes must not read as a kill (143)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    proc = subprocess.run([sys.executable, "-c", FINISHED_SCRIPT], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == ""
+    assert "SIGTERM received after training finished: exiting without the rest of the cleanup" in proc.stderr
+
+
 def test_resume_command_names_the_recipe_file(monkeypatch):
     argv = ["recipes.full_finetune_single_device", "--config", "my config.yaml", "resume_from_checkpoint=false",
             "batch_size=4"]

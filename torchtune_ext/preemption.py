@@ -89,7 +89,7 @@ class GracefulStop:
         self._device, self._rank = device, rank
         self._signal: Optional[int] = None
         self._first_at = 0.0
-        self._stopped = False
+        self._exit_status: Optional[int] = None  # set once training has ended: only the cleanup is left
         self._previous: Dict[int, object] = {}
         if threading.current_thread() is threading.main_thread():
             for signum in SIGNALS:
@@ -98,8 +98,11 @@ class GracefulStop:
     def _handle(self, signum: int, frame) -> None:
         now = time.monotonic()
         name = signal.Signals(signum).name
-        if self._stopped:  # saved and said: only the cleanup is left (torchrun ends the ranks of a failed run)
-            os._exit(STOPPED_EXIT_STATUS)
+        if self._exit_status is not None:  # training has ended (and a stop was said): only the cleanup is left
+            if self._exit_status == 0 and self._rank == 0:
+                _say(f"{name} received after training finished: exiting without the rest of the cleanup "
+                     f"(the last checkpoint is complete; an offline W&B run may lack its summary)")
+            os._exit(self._exit_status)  # torchrun also ends the ranks of a failed run this way
         if self._signal is None:
             self._signal, self._first_at = signum, now
             if self._rank == 0:
@@ -137,10 +140,21 @@ class GracefulStop:
                 write_line(f"Stopped on {cause} after optimizer step {step}; checkpoint: {checkpoint}. "
                            f"Continue with: {resume_command()}  (exit status {STOPPED_EXIT_STATUS})")
             record_outcome(STOPPED_EXIT_STATUS)  # for torchrun's launcher, which the signal may have reached too
-        self._stopped = True
+        self._exit_status = STOPPED_EXIT_STATUS
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()  # no rank exits (and makes torchrun stop the others) before this is said
         return STOPPED_EXIT_STATUS
+
+    def finished(self) -> int:
+        """Training ran to its end; returns 0, the exit status.
+
+        A signal from now on (during the cleanup: W&B's upload or summary can
+        take seconds) ends the process with status 0 at once instead of
+        asking for a stop that nothing would act on: the run's outcome is
+        already decided, and a job script must not read it as a kill.
+        """
+        self._exit_status = 0
+        return 0
 
     def close(self) -> None:
         """Put the previous signal handlers back."""
