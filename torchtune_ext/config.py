@@ -569,7 +569,9 @@ def _check_validation(cfg: DictConfig, training: bool) -> None:
     if cfg.dataset_val is not None and not validation_enabled(cfg):
         from torchtune import utils
 
-        utils.get_logger().info(  # torchtune's logger: the recipes' INFO lines are shown, this module's are not
+        # torchtune's logger (this module's INFO lines are not shown), at the run's log_level already: the
+        # recipe applies it after this check
+        utils.get_logger(cfg.get("log_level")).info(
             "dataset_val is set but run_val_every_n_steps is null: no validation during training "
             "(set run_val_every_n_steps=N to validate every N optimizer steps and at the end)")
 
