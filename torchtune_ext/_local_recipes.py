@@ -82,8 +82,8 @@ def _check_recipe_path(run_cmd):
     """Wrap ``tune run``'s ``Run._run_cmd``: a recipe that is neither torchtune's, nor an existing ``.py``
     file, nor a runnable module on ``sys.path`` (``recipes/full_finetune_single_devic.py``, or the dotted
     ``recipes.full_finetune_single_device``, which ``tune run`` turns into the package ``recipes``) is a
-    command-line error
-    (exit status 2), not an ``ImportError`` traceback from importing the module name made from the path;
+    command-line error (exit status 2), not an ``ImportError`` traceback from importing the module name
+    made from the path;
     so is an absolute path or one outside the working directory, which ``tune run`` cannot import. A
     recipe of torchtune's named where ``recipes/<name>.py`` exists still runs, after a note naming ours.
     ``--config=FILE`` is passed on as ``--config FILE``, the form ``tune run`` looks for."""
@@ -93,11 +93,12 @@ def _check_recipe_path(run_cmd):
         # argparse's --config=FILE form: tune run looks for a separate "--config" (and would say it is missing)
         args.recipe_args = [part for arg in args.recipe_args for part in
                             (["--config", arg[len("--config="):]] if arg.startswith("--config=") else [arg])]
-        if self._get_recipe(recipe) is not None and os.path.isfile(os.path.join("recipes", f"{recipe}.py")):
+        upstream = self._get_recipe(recipe) is not None
+        if upstream and os.path.isfile(os.path.join("recipes", f"{recipe}.py")):
             # Habit from torchtune: the name runs upstream's recipe, which knows none of our config keys
             print(f"note: '{recipe}' runs torchtune's own recipe; this repository's (exact gradient accumulation, "
                   f"which configs/ are written for) is 'tune run recipes/{recipe}.py'", file=sys.stderr, flush=True)
-        if self._get_recipe(recipe) is None:
+        if not upstream:
             if not os.path.isfile(recipe) and not _runnable(self._convert_to_dotpath(recipe)):
                 local = sorted(n for n in os.listdir("recipes") if n.endswith(".py") and not n.startswith("_")) \
                     if os.path.isdir("recipes") else []

@@ -762,9 +762,9 @@ def output_dir_unchanged_on_error(path: str) -> Iterator[None]:
     the checkpointer creates, a new ``logs/``, and on a resume the new
     ``logs/config_<N>.yaml`` and W&B run segment. A W&B run started in the
     block is finished first (as failed, without its summary), so that W&B
-    neither writes into nor names a removed folder. Entries that existed before are never touched.
-    Use it around a recipe's ``setup()`` only: training writes are never
-    rolled back.
+    neither writes into nor names a removed folder. Entries that existed
+    before are never touched. Use it around a recipe's ``setup()`` only:
+    training writes are never rolled back.
     """
     existed = os.path.isdir(path)
     before = _tree(path) if existed else set()

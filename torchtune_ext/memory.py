@@ -476,7 +476,7 @@ class MemoryGuard:
                 log.log(level, "Step %d: backward once per step again (estimated %s%s, %s available).", step,
                         format_bytes(self._job_needs[0]), " on the largest rank" if dist.is_initialized()
                         and dist.get_world_size() > 1 else "",
-                        _gib(self._available(self.device)))
+                        _size_or_unknown(self._available(self.device)))
             return
         why = self._why_not or "peer"
         # "peer": another rank's device is short; going back to once per step is then worth an INFO line too
@@ -486,7 +486,7 @@ class MemoryGuard:
             where = "" if rank is None else f" on rank {rank}"
             log.warning("Step %d: backward once per step would need about %s, %s available%s: running "
                         "backward per micro-batch (same gradients) while it does not fit.",
-                        step, format_bytes(need), _gib(self._available(self.device)), where)
+                        step, format_bytes(need), _size_or_unknown(self._available(self.device)), where)
         elif rank in (None, 0):
             level = logging.DEBUG if self._told else logging.INFO
             if why == "torchtune":
@@ -502,7 +502,7 @@ class MemoryGuard:
                          "backward per micro-batch (same gradients) on every rank.", step)
 
 
-def _gib(value: Optional[int]) -> str:
+def _size_or_unknown(value: Optional[int]) -> str:
     return "unknown" if value is None else format_bytes(value)
 
 
