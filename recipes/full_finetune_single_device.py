@@ -65,7 +65,7 @@ class FullFinetuneRecipeSingleDevice:
         self._device = utils.get_device(None if cfg.device == "auto" else cfg.device)
         self._dtype = training.get_dtype(cfg.dtype, device=self._device)
         self.progress = Progress(seed=training.set_seed(seed=cfg.seed))
-        self._stop = GracefulStop(self._device)  # SIGTERM / Ctrl-C: finish the step, save, exit 75
+        self._stop = GracefulStop(self._device, output_dir=cfg.output_dir)  # SIGTERM / Ctrl-C: save, exit 75
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:

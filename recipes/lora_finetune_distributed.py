@@ -73,7 +73,7 @@ class LoRAFinetuneRecipeDistributed:
         self._dtype = training.get_dtype(cfg.dtype, device=self._device)
         self._rank, self._world_size = distributed.init_process_group(self._device, cfg.fsdp_cpu_offload)
         self.progress = Progress(seed=training.set_seed(seed=cfg.seed))
-        self._stop = GracefulStop(self._device, self._rank)  # SIGTERM / Ctrl-C: finish the step, save, exit 75
+        self._stop = GracefulStop(self._device, self._rank, cfg.output_dir)  # SIGTERM / Ctrl-C: save, exit 75
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:

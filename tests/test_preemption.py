@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 
 import resume_jobs
 from helpers import REPO_ROOT, read_jsonl, run_tune
-from torchtune_ext.checkpoint import list_checkpoints, verify_checkpoint
+from torchtune_ext.checkpoint import MANIFEST, list_checkpoints, verify_checkpoint
 from torchtune_ext.preemption import REPEAT_WINDOW_S, STOPPED_EXIT_STATUS, resume_command
 
 RECIPE = "recipes/full_finetune_single_device.py"
@@ -86,7 +86,7 @@ SCRIPT = textwrap.dedent("""
     import os, signal, sys, time
     import torch
     from torchtune_ext.preemption import GracefulStop
-    stop = GracefulStop(torch.device("cpu"))
+    stop = GracefulStop(torch.device("cpu"), output_dir=sys.argv[1] or None)
     assert not stop.requested()
     os.kill(os.getpid(), signal.SIGTERM)
     os.kill(os.getpid(), signal.SIGTERM)   # a repeat within the window: the same request (torchrun forwards)
@@ -99,14 +99,30 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_second_signal_stops_at_once():
+@pytest.mark.parametrize("saved", [None, [], [3], [3, 7]], ids=["no-output-dir", "none-yet", "one", "two"])
+def test_second_signal_stops_at_once_and_names_the_checkpoint(tmp_path, saved):
+    """The second signal exits at once; it names the newest complete checkpoint (not a save it cut short) and the
+    command that continues from it, or says that there is none yet."""
+    out = tmp_path / "out"
+    for step in saved or []:
+        (out / f"step_{step}").mkdir(parents=True)
+        (out / f"step_{step}" / MANIFEST).write_text("{}")
+    (out / "step_9").mkdir(parents=True)  # a save the signal cut short: no manifest
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
-    proc = subprocess.run([sys.executable, "-c", SCRIPT.format(pause=REPEAT_WINDOW_S + 0.2)], env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", SCRIPT.format(pause=REPEAT_WINDOW_S + 0.2),
+                           "" if saved is None else str(out)], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 128 + signal.SIGINT, proc.stderr
     assert proc.stdout == "still running\n"
     assert "SIGTERM received: stopping after the current optimizer step" in proc.stderr
-    assert "SIGINT received again: stopping at once" in proc.stderr
+    again = [line for line in proc.stderr.splitlines() if "SIGINT received again: stopping at once" in line]
+    assert len(again) == 1, proc.stderr
+    if saved is None:
+        assert again[0].endswith("the last complete checkpoint is intact")
+    elif not saved:
+        assert again[0].endswith("no checkpoint was saved yet: start again with the same command")
+    else:
+        assert f"the last complete checkpoint is intact: {out / f'step_{saved[-1]}'}. Continue with: " in again[0]
+        assert again[0].endswith("resume_from_checkpoint=true")
 
 
 @pytest.mark.parametrize("save_fails", [False, True], ids=["saved", "save-failed"])

@@ -39,6 +39,7 @@ from typing import Dict, Optional
 import torch
 import torch.distributed as dist
 
+from torchtune_ext.checkpoint import latest_checkpoint
 from torchtune_ext.launch import EXIT_STOPPED, finish_wandb, record_outcome, write_line
 
 STOPPED_EXIT_STATUS = EXIT_STOPPED  # 75, EX_TEMPFAIL: a checkpoint was saved; resume to continue
@@ -83,10 +84,12 @@ class GracefulStop:
     Args:
         device: the training device (the flag's all-reduce runs there).
         rank: this process's rank; only rank 0 prints.
+        output_dir: the run's ``output_dir``; a second signal names its newest
+            complete checkpoint and the command that continues from it.
     """
 
-    def __init__(self, device: torch.device, rank: int = 0):
-        self._device, self._rank = device, rank
+    def __init__(self, device: torch.device, rank: int = 0, output_dir: Optional[str] = None):
+        self._device, self._rank, self._output_dir = device, rank, output_dir
         self._signal: Optional[int] = None
         self._first_at = 0.0
         self._exit_status: Optional[int] = None  # set once training has ended: only the cleanup is left
@@ -110,8 +113,17 @@ class GracefulStop:
                      f"(send it again to stop at once, without saving)")
         elif now - self._first_at > REPEAT_WINDOW_S:
             if self._rank == 0:
-                _say(f"{name} received again: stopping at once; the last complete checkpoint is intact")
+                _say(f"{name} received again: stopping at once, without saving; {self._where_to_continue()}")
             os._exit(128 + signum)
+
+    def _where_to_continue(self) -> str:
+        if self._output_dir is None:
+            return "the last complete checkpoint is intact"
+        # a save cut short by this exit is never listed: only complete checkpoints are
+        checkpoint = latest_checkpoint(self._output_dir)
+        if checkpoint is None:
+            return "no checkpoint was saved yet: start again with the same command"
+        return f"the last complete checkpoint is intact: {checkpoint}. Continue with: {resume_command()}"
 
     def requested(self) -> bool:
         """Whether to stop now; every rank gets the same answer (collective: call on all ranks)."""
