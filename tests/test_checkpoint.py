@@ -381,7 +381,7 @@ def test_other_failures_are_raised_as_they_are(manager):
 
 @pytest.mark.parametrize("kind", ["full", "lora", "lora_adapter_only"])
 def test_expected_checkpoint_bytes_covers_what_is_written(kind):
-    """The start-up estimate is at least the tensors a checkpoint holds, and at most 1 MiB more."""
+    """The start-up estimate is at least the tensors a checkpoint holds, and at most ~100 KiB more (1 rank)."""
     model = tiny_model() if kind == "full" else tiny_lora_model()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params)
@@ -395,7 +395,7 @@ def test_expected_checkpoint_bytes_covers_what_is_written(kind):
         written = 2 * tensor_bytes(adapter) + (0 if kind.endswith("only") else tensor_bytes(state) - tensor_bytes(adapter))
     written += tensor_bytes(optimizer.state_dict())
     estimate = expected_checkpoint_bytes(model, optimizer, lora=kind != "full", adapter_only=kind.endswith("only"))
-    assert written <= estimate <= written + 2**20 + 1024
+    assert written <= estimate <= written + 100 * 2**10 + 256 * len(state)
 
 
 @pytest.mark.parametrize("keep", [1, 2, None])

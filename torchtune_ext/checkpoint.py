@@ -304,13 +304,20 @@ def expected_checkpoint_bytes(model: torch.nn.Module, optimizer: torch.optim.Opt
     Adam family. Sizes are the full, unsharded ones.
 
     Returns:
-        bytes, rounded up by 1 MiB for the small files (config, tokenizer, RNG states).
+        bytes: the tensors, plus the small entries measured on written checkpoints (each
+        rank's RNG states, about 15 KiB, kept twice for rank 0; the progress and config;
+        the JSON files; a safetensors header entry per tensor), with room to spare. The
+        config and tokenizer files copied into each checkpoint are added by
+        :meth:`CheckpointManager.announce`.
     """
     trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    weights = tensor_bytes(model.state_dict())
+    state = model.state_dict()
+    weights = tensor_bytes(state)
     if lora:
         weights = 2 * trainable + (0 if adapter_only else weights - trainable)
-    return weights + _optimizer_states_per_parameter(optimizer) * trainable + 2**20
+    ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    small = 64 * 2**10 + 32 * 2**10 * ranks + 256 * len(state)
+    return weights + _optimizer_states_per_parameter(optimizer) * trainable + small
 
 
 @dataclass
