@@ -128,7 +128,7 @@ def test_no_room_for_one_checkpoint_stops_before_training(setup_yaml, tmp_path, 
     monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 10**5, 10**5))
     recipe = resume_jobs.recipe_class(*resume_jobs.RECIPES["full_single"][:2])(cfg)
     with pytest.raises(DiskSpaceError, match="not enough free disk space for one checkpoint in .*: it needs about "
-                                             r"1\.\d+ MiB, 97.7 KiB are free"):
+                                             r"\d+ KiB, 97.7 KiB are free"):
         with output_dir_unchanged_on_error(str(out)):
             recipe.setup()
     assert not out.exists()  # nothing left behind
