@@ -89,6 +89,18 @@ def test_recipe_checkpoint_is_refused(cfg):
     refused(cfg, "checkpointer.recipe_checkpoint", "resume_from_checkpoint=true", "step_<N>")
 
 
+def test_checkpointer_output_dir_elsewhere_is_refused(cfg, tmp_path):
+    """Upstream saves where checkpointer.output_dir says; here checkpoints live in output_dir (resume, disk
+    checks): a different folder is refused rather than silently not used."""
+    cfg.output_dir = str(tmp_path / "run")
+    cfg.checkpointer.output_dir = "${output_dir}"  # torchtune's configs
+    validate(cfg)
+    cfg.checkpointer.output_dir = str(tmp_path / "run") + "/"
+    validate(cfg)
+    cfg.checkpointer.output_dir = str(tmp_path / "big_disk")
+    refused(cfg, "checkpointer.output_dir", str(tmp_path / "big_disk"), "output_dir/step_<N>")
+
+
 def test_activation_offloading_needs_cuda_and_checkpointing(cfg):
     cfg.enable_activation_offloading = True
     cfg.device = "cpu"

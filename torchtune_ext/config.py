@@ -566,7 +566,7 @@ def _check_validation(cfg: DictConfig, training: bool) -> None:
         asked = ("run_val_every_n_steps" if cfg.run_val_every_n_steps else "run_val_at_start")
         raise ConfigError("dataset_val", f"is required by {asked}: add a dataset_val (a dataset config, as "
                           "`dataset`), or set run_val_every_n_steps=null run_val_at_start=false")
-    if cfg.dataset_val is not None and not validation_enabled(cfg):
+    if cfg.dataset_val is not None and not validation_enabled(cfg) and int(os.environ.get("RANK", "0") or 0) == 0:
         from torchtune import utils
 
         # torchtune's logger (this module's INFO lines are not shown), at the run's log_level already: the
@@ -602,6 +602,13 @@ def _check_combinations(cfg: DictConfig, training: bool = True) -> None:
         if not cfg.enable_activation_checkpointing:
             raise ConfigError("enable_activation_offloading", "needs enable_activation_checkpointing=true (it "
                               "offloads the checkpointed layer inputs), as in torchtune")
+    ckpt_dir = cfg.checkpointer.get("output_dir")
+    if ckpt_dir is not None and os.path.abspath(str(ckpt_dir)) != os.path.abspath(str(cfg.output_dir)):
+        # torchtune saves where this says; every save, resume and disk check here works in output_dir
+        raise ConfigError("checkpointer.output_dir", f"'{ckpt_dir}' differs from output_dir '{cfg.output_dir}': "
+                          "checkpoints are saved as output_dir/step_<N>, next to the run's logs, and resumed from "
+                          "there; set output_dir to where checkpoints should go (checkpointer.output_dir: "
+                          "${output_dir}, as in torchtune's configs)")
     for name in ("recipe_checkpoint", "adapter_checkpoint"):
         if cfg.checkpointer.get(name) is not None:
             raise ConfigError(f"checkpointer.{name}", "is not used: resume_from_checkpoint=true continues from the "
