@@ -90,7 +90,7 @@ class LoRAFinetuneRecipeDistributed:
         # Data first: a bad dataset fails before anything is loaded or written.
         self._tokenizer = config.instantiate(cfg.tokenizer)
         self._loss_fn = build_loss(cfg.loss, compile=cfg.compile)
-        self._data = build_step_loader(cfg, self._tokenizer, seed=self.progress.seed,
+        self._data = build_step_loader(cfg, self._tokenizer, seed=self.progress.data_seed,
                                        ignore_index=self._loss_fn.ignore_index, dp_rank=self._rank,
                                        dp_world_size=self._world_size)
         self._val_data = build_val_loader(cfg, self._tokenizer, ignore_index=self._loss_fn.ignore_index,

@@ -93,7 +93,7 @@ class LoRAFinetuneRecipeSingleDevice:
         # Data first: a bad dataset fails before anything is loaded or written.
         self._tokenizer = config.instantiate(cfg.tokenizer)
         self._loss_fn = build_loss(cfg.loss, compile=cfg.compile)
-        self._data = build_step_loader(cfg, self._tokenizer, seed=self.progress.seed,
+        self._data = build_step_loader(cfg, self._tokenizer, seed=self.progress.data_seed,
                                        ignore_index=self._loss_fn.ignore_index)
         self._val_data = build_val_loader(cfg, self._tokenizer, ignore_index=self._loss_fn.ignore_index)
         total_steps = self.progress.plan(self._data, cfg.epochs)

@@ -13,6 +13,7 @@ from fake_checkpointer import FakeCheckpointer
 from helpers import tiny_lora_model, tiny_model
 from torchtune_ext import checkpoint
 from torchtune_ext.checkpoint import (
+    MANIFEST,
     CheckpointManager,
     CheckpointSaveError,
     Progress,
@@ -54,6 +55,21 @@ def test_save_writes_manifest_and_state(manager):
     assert state.progress == Progress(step=1, epoch=0, steps_in_epoch=1, seed=3)
     assert state.optimizer == {"lr": 0.1} and len(state.rng_by_rank) == 1
     assert not manager.staging.exists()
+
+
+def test_a_checkpoint_of_an_earlier_version_keeps_its_sample_order(manager):
+    """Before data_seed was saved the epochs' order followed the run's seed: a resume must keep that order
+    (another one would train some samples of the epoch in progress twice and others never)."""
+    path = save(manager, 1)
+    state = torch.load(path / "recipe_state.pt", weights_only=False)
+    assert state["progress"]["data_seed"] == 0  # new runs: torchtune's sampler seed
+    del state["progress"]["data_seed"]
+    torch.save(state, path / "recipe_state.pt")
+    manifest = json.loads((path / MANIFEST).read_text())
+    manifest["files"]["recipe_state.pt"] = (path / "recipe_state.pt").stat().st_size
+    (path / MANIFEST).write_text(json.dumps(manifest))
+    progress = load_recipe_state(path).progress
+    assert (progress.seed, progress.data_seed) == (3, 3)
 
 
 def test_failed_save_leaves_previous_checkpoint_intact(manager):

@@ -78,7 +78,10 @@ class Progress:
             all ranks: the data position, independent of batch size,
             accumulation and world size.
         skipped_steps (int): optimizer steps skipped so far (empty/non-finite).
-        seed (int): the run's seed (sampler order depends on it).
+        seed (int): the run's seed (model initialization, LoRA adapters, dropout).
+        data_seed (int): the seed of the epochs' sample order: 0, whatever ``seed`` is, as
+            torchtune's recipes give their ``DistributedSampler``; a checkpoint of an
+            earlier version, whose order followed ``seed``, keeps its order on resume.
         tokens_seen (int): trainable tokens (after the label shift, all ranks)
             of the optimizer steps that updated the model so far.
         total_steps (int): optimizer steps of the whole run, the length the
@@ -91,6 +94,7 @@ class Progress:
     samples_in_epoch: int = 0
     skipped_steps: int = 0
     seed: int = 0
+    data_seed: int = 0
     tokens_seen: int = 0
     total_steps: int = 0
 
@@ -836,7 +840,8 @@ def load_recipe_state(path: Path) -> ResumeState:
     try:
         state = torch.load(path / RECIPE_STATE, map_location="cpu", weights_only=False)
         return ResumeState(
-            progress=Progress(**state["progress"]),
+            # before data_seed was saved, the order followed the run's seed
+            progress=Progress(**{"data_seed": state["progress"]["seed"], **state["progress"]}),
             optimizer=state[training.OPT_KEY],
             rng_by_rank=state.get("rng_by_rank") or [state["rng"]],
             dp_world_size=state.get("dp_world_size", 1),

@@ -18,8 +18,8 @@ on, and says in one line what changed; nothing is ignored in silence:
 * **The global batch size** (data-parallel ranks x ``batch_size`` x
   ``gradient_accumulation_steps``) may change: one line gives the old and new
   values and the sample the run continues at.
-* **``seed``** stays the run's: the order of the epoch in progress depends on
-  it. A different ``seed`` in the config is reported and not used.
+* **``seed``** stays the run's, with the random states saved in the
+  checkpoint. A different ``seed`` in the config is reported and not used.
 * **``shuffle``** may change only at an epoch boundary: in the middle of an
   epoch the new order would train some samples twice and others never, so the
   run is refused with a message.
@@ -156,7 +156,7 @@ def _report(resumed: ResumeState, cfg: DictConfig, optimizer: torch.optim.Optimi
         lines.append(f"Resuming with changed settings, applied from step {progress.step + 1}: {listed}")
     if cfg.seed is not None and cfg.seed != progress.seed:
         lines.append(f"seed={cfg.seed} is not used: the run continues with its seed {progress.seed} "
-                     "(the order of its epochs depends on it)")
+                     "and the random states saved in the checkpoint")
     if saved is not None:
         old, new = global_batch_size(saved, resumed.dp_world_size), global_batch_size(cfg, dp_world_size)
         if old != new:
