@@ -283,3 +283,24 @@ def test_a_copy_of_a_model_with_embedding_rows_into_grad_trains_its_own_weight()
     forward_backward(copy, loss_fn, windows(instruct_samples([3], [5]), 1, 1)[0], device=CPU)
     assert model.tok_embeddings.weight.grad is None
     assert copy.tok_embeddings.weight.grad.abs().sum() > 0
+
+
+def test_a_skipped_first_step_advances_the_schedule_without_torchs_warning():
+    """A skipped step counts on the LR schedule; torch's 'lr_scheduler.step() before optimizer.step()' warning,
+    shown when the run's first step is skipped, would read as a recipe bug."""
+    import warnings
+
+    from omegaconf import OmegaConf
+
+    from torchtune_ext.step import build_lr_scheduler
+
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))], lr=1.0)
+    cfg = OmegaConf.create({"_component_": "torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup",
+                            "num_warmup_steps": 2})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        scheduler = build_lr_scheduler(cfg, optimizer, num_training_steps=10)
+        scheduler.step()  # step 1 was skipped: no optimizer.step()
+        warnings.warn("another UserWarning", UserWarning)  # still shown
+    assert [str(w.message) for w in caught] == ["another UserWarning"]
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.5)  # the warmup went on

@@ -30,6 +30,7 @@ to 1 so that FSDP sums instead of averaging.
 """
 
 import logging
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -94,6 +95,10 @@ def build_lr_scheduler(cfg_lr_scheduler: Any, optimizer: torch.optim.Optimizer, 
 
     if enabled(cfg_lr_scheduler) is None:
         return None
+    # A skipped step (nothing to learn, or non-finite) still counts on the schedule, by design; torch
+    # would warn that the schedule stepped before the optimizer when the run's first step is skipped.
+    warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`",
+                            category=UserWarning)
     return tt_config.instantiate(cfg_lr_scheduler, optimizer, num_training_steps=num_training_steps)
 
 
