@@ -13,7 +13,6 @@ this file builds and shards the model, runs the loop and saves checkpoints
 gathered to the single-device format.
 """
 
-import sys
 from functools import partial
 from pathlib import Path
 from typing import Any, Dict
@@ -206,4 +205,4 @@ def recipe_main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(recipe_main())
+    launch.run_main(recipe_main)

@@ -10,7 +10,6 @@ accounting lives in ``torchtune_ext.step``; this file builds the model, runs
 the loop and saves checkpoints.
 """
 
-import sys
 from pathlib import Path
 from typing import Any, Dict
 
@@ -193,4 +192,4 @@ def recipe_main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(recipe_main())
+    launch.run_main(recipe_main)

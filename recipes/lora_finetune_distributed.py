@@ -19,7 +19,6 @@ Resuming loads the base weights from the base checkpoint and the adapter from
 the latest step folder.
 """
 
-import sys
 from functools import partial
 from pathlib import Path
 from typing import Any, Dict, Optional
@@ -248,4 +247,4 @@ def recipe_main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(recipe_main())
+    launch.run_main(recipe_main)

@@ -17,7 +17,6 @@ Resuming loads the base weights from the base checkpoint and the adapter from
 the latest step folder.
 """
 
-import sys
 from pathlib import Path
 from typing import Any, Dict, Optional
 
@@ -230,4 +229,4 @@ def recipe_main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(recipe_main())
+    launch.run_main(recipe_main)

@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 import resume_jobs
 from helpers import REPO_ROOT, read_jsonl, run_tune
 from torchtune_ext.checkpoint import MANIFEST, list_checkpoints, verify_checkpoint
+from torchtune_ext.launch import OUTCOME_FILE_ENV
 from torchtune_ext.preemption import REPEAT_WINDOW_S, STOPPED_EXIT_STATUS, resume_command
 
 RECIPE = "recipes/full_finetune_single_device.py"
@@ -108,10 +109,12 @@ def test_second_signal_stops_at_once_and_names_the_checkpoint(tmp_path, saved):
         (out / f"step_{step}").mkdir(parents=True)
         (out / f"step_{step}" / MANIFEST).write_text("{}")
     (out / "step_9").mkdir(parents=True)  # a save the signal cut short: no manifest
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    outcome = tmp_path / "outcome"  # as under torchrun: rank 0 tells the launcher its exit status
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), RANK="0", **{OUTCOME_FILE_ENV: str(outcome)})
     proc = subprocess.run([sys.executable, "-c", SCRIPT.format(pause=REPEAT_WINDOW_S + 0.2),
                            "" if saved is None else str(out)], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 128 + signal.SIGINT, proc.stderr
+    assert outcome.read_text() == f"{128 + signal.SIGINT}\n"
     assert proc.stdout == "still running\n"
     assert "SIGTERM received: stopping after the current optimizer step" in proc.stderr
     again = [line for line in proc.stderr.splitlines() if "SIGINT received again: stopping at once" in line]
@@ -163,11 +166,14 @@ FINISHED_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_a_signal_during_the_cleanup_of_a_finished_run_exits_0():
-    """After training finished (checkpoint saved), a SIGTERM while W&B finishes must not read as a kill (143)."""
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+def test_a_signal_during_the_cleanup_of_a_finished_run_exits_0(tmp_path):
+    """After training finished (checkpoint saved), a SIGTERM while W&B finishes must not read as a kill (143);
+    under torchrun rank 0 tells the launcher, which the signal may reach too, that the run ended with 0."""
+    outcome = tmp_path / "outcome"
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), RANK="0", **{OUTCOME_FILE_ENV: str(outcome)})
     proc = subprocess.run([sys.executable, "-c", FINISHED_SCRIPT], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+    assert outcome.read_text() == "0\n"
     assert proc.stdout == ""
     assert "SIGTERM received after training finished: exiting without the rest of the cleanup" in proc.stderr
 
@@ -181,3 +187,33 @@ def test_resume_command_names_the_recipe_file(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert resume_command([str(REPO_ROOT / "recipes/x.py"), "--config", "c.yaml"]).startswith(
         "tune run --nproc_per_node 2 ")
+
+
+LATE_SIGNAL_SCRIPT = textwrap.dedent("""
+    import atexit, os, signal, sys, time
+    from torchtune_ext import launch
+
+    def late_signal():  # as W&B's exit hook, which takes seconds: a scheduler's SIGTERM arrives meanwhile
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+
+    atexit.register(late_signal)
+
+    def recipe_main():
+        if sys.argv[1] == "raise":
+            sys.exit(2)  # report_and_exit's way
+        return int(sys.argv[1])
+
+    launch.run_main(recipe_main)
+""")
+
+
+@pytest.mark.parametrize("status", ["0", "75", "raise"])
+def test_a_signal_while_the_interpreter_exits_keeps_the_decided_status(status):
+    """The recipe's handlers are gone once it returned; a SIGTERM during the interpreter's shutdown (W&B's exit hook)
+    ended the process with 143 after a finished run or a saved stop, which a job script reads as a kill."""
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    proc = subprocess.run([sys.executable, "-c", LATE_SIGNAL_SCRIPT, status], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == (2 if status == "raise" else int(status)), proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -236,6 +236,33 @@ def report_and_exit(message: str, status: int) -> None:
     sys.exit(status)
 
 
+def run_main(recipe_main: Callable[[], Any]) -> None:
+    """A recipe file's ``__main__``: run ``recipe_main`` and exit with its status, also on a late signal.
+
+    Once the status is decided (0, or a reported 2, 3, 74 or 75), the
+    interpreter still has to shut down: W&B's exit hooks can take seconds, and
+    the signal handlers of :class:`torchtune_ext.preemption.GracefulStop` are
+    gone by then. A SIGTERM or SIGINT in that window would end the process
+    with 128 + signal, which a job script reads as a kill without a
+    checkpoint; here it ends it with the decided status instead.
+    """
+    try:
+        status = recipe_main()
+    except SystemExit as done:  # report_and_exit's
+        status = done.code
+    if isinstance(status, int) or status is None:
+        import signal
+
+        def exit_now(signum: int, frame: Any) -> None:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status or 0)
+
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, exit_now)
+    sys.exit(status)
+
+
 def exit_on_user_error(recipe_main: Callable[..., Any]) -> Callable[..., Any]:
     """Run a recipe's entry point; expected errors end it with one line and an exit status.
 
@@ -273,10 +300,12 @@ def exit_on_user_error(recipe_main: Callable[..., Any]) -> Callable[..., Any]:
 def quiet_reported_failures(run: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap torchrun's ``run`` in the launcher: a job whose workers reported their own error exits quietly.
 
-    When rank 0 recorded its exit status (:func:`record_outcome`: a stop, or
-    an expected error it printed), the launcher exits with that status,
-    whether torchrun's agent raised ``ChildFailedError`` or, when a
-    scheduler signalled the launcher too, ``SignalException``. Otherwise,
+    When rank 0 recorded its exit status (:func:`record_outcome`: a stop, an
+    expected error it printed, the end of training, a second signal), the
+    launcher exits with that status, whether torchrun's agent raised
+    ``ChildFailedError`` or, when a scheduler signalled the launcher too,
+    ``SignalException``; a ``SignalException`` with no status recorded exits
+    with 128 + signal number, in one line. Otherwise,
     when the first worker to fail exited with a status of
     :data:`REPORTED_EXIT_CODES`, the workers have printed the one line that
     matters (see :func:`report_and_exit`), and the launcher exits with that
@@ -288,6 +317,7 @@ def quiet_reported_failures(run: Callable[..., Any]) -> Callable[..., Any]:
     import logging
 
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_drop_reported_failure_log)
+    logging.getLogger("torch.distributed.elastic.agent.server.api").addFilter(_drop_reported_failure_log)
 
     @functools.wraps(run)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -300,14 +330,20 @@ def quiet_reported_failures(run: Callable[..., Any]) -> Callable[..., Any]:
         os.environ[OUTCOME_FILE_ENV] = outcome_file
         try:
             return run(*args, **kwargs)
-        except SignalException:
+        except SignalException as err:
             status = _recorded_outcome(outcome_file)
-            if status is not None:  # rank 0 said how the run ended (a stop, or a save that failed)
+            if status is not None:  # rank 0 said how the run ended (a stop, a save that failed, a second signal)
                 sys.exit(status)
-            raise
+            # a signal before any worker said how it ends: torchrun's traceback adds nothing to the shell's status
+            import signal
+
+            signum = int(err.sigval)
+            print(f"tune run: stopped by {signal.Signals(signum).name} (exit status {128 + signum})", file=sys.stderr,
+                  flush=True)
+            sys.exit(128 + signum)
         except ChildFailedError as err:
             status = _recorded_outcome(outcome_file)
-            if status is not None:
+            if status:  # 0 (training finished) followed by a worker's failure is still a failure
                 sys.exit(status)
             _, first = err.get_first_failure()
             reported = {r: f for r, f in err.failures.items() if f.exitcode in REPORTED_EXIT_CODES}
@@ -335,8 +371,9 @@ def _is_report(message: Any) -> bool:
 def _drop_reported_failure_log(record: Any) -> bool:
     """torchrun logs ``failed (exitcode: N) local_rank: ...`` before raising; the worker said it already.
     Nor, once rank 0 has recorded how the run ended, ``Sending process N closing signal SIGTERM`` as it
-    ends the other workers: that would follow the line that should be the last."""
+    ends the other workers, or ``Received 15 death signal`` (a signal during the cleanup of a finished run):
+    those would follow the line that should be the last."""
     args = record.args if isinstance(record.args, tuple) else ()
-    if str(record.msg).startswith("Sending process"):
+    if str(record.msg).startswith(("Sending process", "Received")):
         return _recorded_outcome(os.environ.get(OUTCOME_FILE_ENV, "")) is None
     return not (str(record.msg).startswith("failed (exitcode") and args and args[0] in REPORTED_EXIT_CODES)

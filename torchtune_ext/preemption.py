@@ -114,6 +114,7 @@ class GracefulStop:
         elif now - self._first_at > REPEAT_WINDOW_S:
             if self._rank == 0:
                 _say(f"{name} received again: stopping at once, without saving; {self._where_to_continue()}")
+                record_outcome(128 + signum)  # torchrun's launcher then exits with it, without a traceback
             os._exit(128 + signum)
 
     def _where_to_continue(self) -> str:
@@ -166,6 +167,8 @@ class GracefulStop:
         already decided, and a job script must not read it as a kill.
         """
         self._exit_status = 0
+        if self._rank == 0:
+            record_outcome(0)  # a signal to torchrun's launcher from now on must not turn this into a failure
         return 0
 
     def close(self) -> None:
