@@ -104,7 +104,11 @@ WANDB = "metric_logger._component_=torchtune.training.metric_logging.WandBLogger
     ("metric_logger.mode=ofline", ["'metric_logger.mode': W&B rejects 'ofline': Input should be 'online', 'offline'"]),
     ("metric_logger.project=123", ["'metric_logger.project': W&B rejects 123: Input should be a valid string"]),
     ("metric_logger.tags=[1,[2]]", ["'metric_logger.tags': W&B rejects [1, [2]]"]),
-], ids=["mode", "project", "tags"])
+    # refused by W&B's own validator (UsageError), not by pydantic
+    ("metric_logger.project=a/b", ["'metric_logger.project': W&B rejects 'a/b': Invalid project name 'a/b': "
+                                   "cannot contain characters"]),
+    ("metric_logger.project=a#b", ["'metric_logger.project': W&B rejects 'a#b'", "found '#'"]),
+], ids=["mode", "project", "tags", "project-slash", "project-hash"])
 def test_wandb_settings_are_checked_before_loading(tiny_cfg, override, words):
     """wandb.init validates its settings only when the logger starts, after the data check and the model load."""
     with pytest.raises(ConfigError) as err:
@@ -129,6 +133,32 @@ def test_wandb_that_cannot_start_is_one_config_error(tiny_cfg, tmp_path, monkeyp
     with pytest.raises(ConfigError, match=r"^config key 'metric_logger': W&B could not start a run \(UsageError: No "
                        r"API key configured. .*\); metric_logger.mode=offline logs without an account or network"):
         build_metric_logger(cfg, rank=0)
+
+
+def test_metric_logger_log_dir_under_a_file_is_checked_before_loading(tiny_cfg, tmp_path):
+    """The logger creates log_dir only when it starts, after the model has loaded."""
+    (tmp_path / "afile").write_text("")
+    for logger in (WANDB, "metric_logger._component_=torchtune.training.metric_logging.DiskLogger"):
+        with pytest.raises(ConfigError, match=r"^config key 'metric_logger.log_dir': '.*/afile/logs' cannot be "
+                           r"created: '.*/afile' is a file"):
+            check_components(tiny_cfg(logger, f"metric_logger.log_dir={tmp_path / 'afile' / 'logs'}"), CPU)
+    assert (tmp_path / "afile").is_file()
+    check_components(tiny_cfg(WANDB, f"metric_logger.log_dir={tmp_path / 'logs'}"), CPU)
+    assert not (tmp_path / "logs").exists()
+
+
+@pytest.mark.parametrize("component", [[], ["profiler._component_=torchtune.training.setup_torch_profiler"]],
+                         ids=["no-component", "component"])
+def test_profiler_arguments_are_checked_before_loading(tiny_cfg, component):
+    """torchtune_ext.runtime.build_profiler calls setup_torch_profiler with the section only after the model has
+    loaded; the section may leave out its _component_."""
+    with pytest.raises(ConfigError, match=r"^config key 'profiler.foo': is not an argument of "
+                       r"torchtune.training.setup_torch_profiler$"):
+        check_components(tiny_cfg(*component, "profiler.enabled=true", "profiler.foo=1"), CPU)
+    with pytest.raises(ConfigError, match=r"^config key 'profiler.activ_steps': .*; did you mean 'active_steps'\?$"):
+        check_components(tiny_cfg(*component, "profiler.enabled=true", "profiler.activ_steps=1"), CPU)
+    check_components(tiny_cfg(*component, "profiler.enabled=true", "profiler.active_steps=1", "profiler.cpu=true"),
+                     CPU)
 
 
 def test_packed_rows_longer_than_the_model_takes(tiny_cfg):
@@ -289,10 +319,13 @@ def test_launcher_exits_quietly_when_the_workers_reported(tmp_path, capsys, monk
     assert capsys.readouterr().err == printed
 
 
-@pytest.mark.parametrize("recorded", [None, 74, 75], ids=["nothing-recorded", "save-failed", "stopped"])
-def test_launcher_signalled_too_exits_with_rank0s_recorded_status(monkeypatch, recorded):
+@pytest.mark.parametrize("recorded", [None, 0, 74, 75, 143],
+                         ids=["nothing-recorded", "finished", "save-failed", "stopped", "second-signal"])
+def test_launcher_signalled_too_exits_with_rank0s_recorded_status(monkeypatch, capsys, recorded):
     """A scheduler's SIGTERM reaches the launcher as well as the workers, and torchrun's agent raises
-    SignalException, without the workers' statuses: the status rank 0 recorded is the launcher's exit status."""
+    SignalException, without the workers' statuses: the status rank 0 recorded is the launcher's exit status
+    (0 once training finished: the signal came during the cleanup). With none recorded, the shell's status for
+    the signal, in one line instead of torchrun's traceback."""
     import os
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -307,13 +340,10 @@ def test_launcher_signalled_too_exits_with_rank0s_recorded_status(monkeypatch, r
             launch.record_outcome(recorded)  # rank 0 of a worker, after its line (same environment here)
         raise SignalException("got signal: 15", sigval=15)
 
-    if recorded is None:
-        with pytest.raises(SignalException):
-            launch.quiet_reported_failures(run)(None)
-    else:
-        with pytest.raises(SystemExit) as exit_info:
-            launch.quiet_reported_failures(run)(None)
-        assert exit_info.value.code == recorded
+    with pytest.raises(SystemExit) as exit_info:
+        launch.quiet_reported_failures(run)(None)
+    assert exit_info.value.code == (143 if recorded is None else recorded)
+    assert capsys.readouterr().err == ("tune run: stopped by SIGTERM (exit status 143)\n" if recorded is None else "")
     assert not os.path.exists(os.environ[launch.OUTCOME_FILE_ENV])  # the launcher leaves nothing behind
 
 
@@ -421,6 +451,52 @@ def test_a_recipe_path_tune_run_cannot_import_is_a_command_line_error(recipe, wo
         assert word in proc.stderr
 
 
+def test_config_flag_without_a_file_is_a_command_line_error():
+    """tune run reads the word after --config: without one it failed with an IndexError traceback, exit status 1."""
+    from helpers import run_tune
+
+    for flag in ("--config", "--config="):
+        proc = run_tune("recipes/full_finetune_single_device.py", flag, timeout=300)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert proc.stderr.strip().splitlines()[-1] == ("tune run: error: --config needs a file: --config FILE (a "
+                                                        "path or the name of a torchtune config)")
+
+
+def test_a_recipe_path_starting_with_dot_slash_runs(tmp_path):
+    """tune run made the module name '.recipes.full_finetune_single_device' of './recipes/...py': an ImportError
+    (relative module name) traceback. An output_dir under a file makes the recipe itself stop at once: its one
+    line shows it ran."""
+    from helpers import run_tune
+
+    (tmp_path / "afile").write_text("")
+    proc = run_tune("./recipes/full_finetune_single_device.py", "--config",
+                    "configs/smollm2/135M_full_single_device.yaml", f"output_dir={tmp_path / 'afile' / 'out'}",
+                    timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: config key 'output_dir': "), proc.stderr
+
+
+def test_a_recipe_path_starting_with_dot_slash_reaches_torchrun_as_a_module_name(monkeypatch):
+    """Under --nproc_per_node tune run hands torchrun the module name made from the path (python -m): the
+    normalised path's, not the relative '.recipes.full_finetune_distributed'."""
+    import sys
+
+    from torchtune._cli import run as tune_run
+    from torchtune._cli.tune import TuneCLIParser
+
+    from helpers import REPO_ROOT
+
+    launched = []
+    monkeypatch.setattr(tune_run, "run", launched.append)
+    monkeypatch.chdir(REPO_ROOT)
+    monkeypatch.setattr(sys, "argv", ["tune", "run", "--nproc_per_node", "2", "./recipes/full_finetune_distributed.py",
+                                      "--config", "c.yaml"])
+    monkeypatch.setattr(sys, "path", list(sys.path))  # tune run appends the working directory
+    parser = TuneCLIParser()
+    parser.run(parser.parse_args())
+    assert [(args.module, args.training_script) for args in launched] == [(True, "recipes.full_finetune_distributed")]
+
+
 def test_torchtune_recipe_by_name_runs_upstreams_after_a_note_naming_ours(tmp_path):
     """A torchtune user's habit, ``tune run full_finetune_single_device``, runs torchtune's recipe, which knows
     none of this repository's config keys: it still runs (upstream recipes by name keep working), after a note.
@@ -463,14 +539,19 @@ def test_torchrun_closing_the_other_workers_is_not_logged_after_rank0s_last_line
 
     from torchtune_ext import launch
 
-    record = logging.LogRecord("torch.distributed.elastic.multiprocessing.api", logging.WARNING, "api.py", 1,
-                               "Sending process %s closing signal %s", (1234, "SIGTERM"), None)
+    records = [logging.LogRecord("torch.distributed.elastic.multiprocessing.api", logging.WARNING, "api.py", 1,
+                                 "Sending process %s closing signal %s", (1234, "SIGTERM"), None),
+               # the agent, signalled during the cleanup of a finished run
+               logging.LogRecord("torch.distributed.elastic.agent.server.api", logging.WARNING, "api.py", 1,
+                                 "Received %s death signal, shutting down workers", (15,), None)]
     outcome = tmp_path / "outcome"
     monkeypatch.setenv(launch.OUTCOME_FILE_ENV, str(outcome))
     monkeypatch.setenv("RANK", "0")
-    assert launch._drop_reported_failure_log(record)  # kept: no outcome recorded (e.g. a crash)
-    launch.record_outcome(2)
-    assert not launch._drop_reported_failure_log(record)
+    for record in records:
+        assert launch._drop_reported_failure_log(record)  # kept: no outcome recorded (e.g. a crash)
+    launch.record_outcome(0)
+    for record in records:
+        assert not launch._drop_reported_failure_log(record)
 
 
 def test_config_given_with_an_equals_sign_is_accepted_by_tune_run(tmp_path):
@@ -513,4 +594,33 @@ def test_wandb_that_cannot_start_under_torchrun_stops_every_rank_with_one_line(t
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1].startswith("error: config key 'metric_logger': W&B could not start")
+    assert not out.exists()
+
+
+def test_wandb_server_that_cannot_be_reached_leaves_the_error_line_last(tmp_path):
+    """An API key but no server (no network, a wrong base_url): W&B's service printed 'Find logs at: <folder>' at
+    exit, after the error line, naming a folder the rollback removed. It is ended before the line now."""
+    import subprocess
+
+    from omegaconf import OmegaConf
+
+    import resume_jobs
+    from helpers import REPO_ROOT
+
+    out = tmp_path / "out"
+    cfg = resume_jobs.config(resume_jobs.setup(tmp_path), "full_single", out)
+    cfg.metric_logger = {"_component_": "torchtune.training.metric_logging.WandBLogger", "mode": "online",
+                         "log_dir": str(out / "logs")}
+    OmegaConf.save(cfg, tmp_path / "online.yaml")
+    env = {k: v for k, v in resume_jobs.subprocess_env().items() if not k.startswith("WANDB_")}
+    env.update(HOME=str(tmp_path / "home"), WANDB_API_KEY="0" * 40,
+               WANDB_BASE_URL="http://127.0.0.1:9",  # the discard port: connection refused at once
+               WANDB_INIT_TIMEOUT="3")
+    proc = subprocess.run(["tune", "run", "recipes/full_finetune_single_device.py", "--config",
+                           str(tmp_path / "online.yaml")], cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    # one stream, as a terminal or a job log shows them: W&B's lines went to stdout
+    assert proc.returncode == 2, proc.stdout[-3000:]
+    assert "Traceback" not in proc.stdout, proc.stdout[-3000:]
+    assert proc.stdout.strip().splitlines()[-1].startswith("error: config key 'metric_logger': W&B could not start")
     assert not out.exists()

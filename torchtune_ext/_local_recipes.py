@@ -86,13 +86,18 @@ def _check_recipe_path(run_cmd):
     made from the path;
     so is an absolute path or one outside the working directory, which ``tune run`` cannot import. A
     recipe of torchtune's named where ``recipes/<name>.py`` exists still runs, after a note naming ours.
-    ``--config=FILE`` is passed on as ``--config FILE``, the form ``tune run`` looks for."""
+    A recipe file inside the working directory is passed on normalised (``./recipes/x.py`` as
+    ``recipes/x.py``), ``--config=FILE`` as ``--config FILE``, the form ``tune run`` looks for; ``--config``
+    without a file is a command-line error."""
 
     def checked(self, args):
         recipe = args.recipe
         # argparse's --config=FILE form: tune run looks for a separate "--config" (and would say it is missing)
         args.recipe_args = [part for arg in args.recipe_args for part in
                             (["--config", arg[len("--config="):]] if arg.startswith("--config=") else [arg])]
+        if any(arg == "--config" and (i + 1 == len(args.recipe_args) or not args.recipe_args[i + 1])
+               for i, arg in enumerate(args.recipe_args)):
+            self._parser.error("--config needs a file: --config FILE (a path or the name of a torchtune config)")
         upstream = self._get_recipe(recipe) is not None
         if upstream and os.path.isfile(os.path.join("recipes", f"{recipe}.py")):
             # Habit from torchtune: the name runs upstream's recipe, which knows none of our config keys
@@ -111,6 +116,10 @@ def _check_recipe_path(run_cmd):
                 self._parser.error(f"recipe '{recipe}': tune run imports a recipe file by its path relative to "
                                    f"the working directory; run it from the repository root as "
                                    f"recipes/{os.path.basename(recipe)}")
+            if os.path.isfile(recipe):
+                # tune run makes the module name by replacing '/' with '.': "./recipes/x.py" would become the
+                # relative name ".recipes.x", which both runpy and torchrun's `python -m` refuse
+                args.recipe = os.path.normpath(recipe)
         return run_cmd(self, args)
 
     return checked

@@ -365,6 +365,17 @@ class MetricLogger:
             self._backend = None
 
 
+def _end_wandb_service() -> None:
+    """After a failed ``wandb.init``: end W&B's service process now, whose closing lines ("Find logs at")
+    would otherwise be printed at exit, after the error line that says what to do."""
+    import wandb
+
+    try:
+        wandb.teardown()
+    except Exception:  # the error line matters more than W&B's bookkeeping
+        pass
+
+
 def build_metric_logger(cfg: DictConfig, rank: int, resume: bool = False) -> MetricLogger:
     """Metric logger for a recipe config: ``cfg.metric_logger`` plus the JSONL file.
 
@@ -397,6 +408,7 @@ def build_metric_logger(cfg: DictConfig, rank: int, resume: bool = False) -> Met
             # wandb.init's own refusals (no API key for mode=online, a server that cannot be reached):
             # the setup is rolled back, nothing written is lost
             reason = " ".join(str(err).split()) or type(err).__name__
+            _end_wandb_service()
             failure = ConfigError("metric_logger", f"W&B could not start a run ({type(err).__name__}: {reason}); "
                                   f"metric_logger.mode=offline logs without an account or network "
                                   f"(upload later with 'wandb sync'), metric_logger=null logs to "

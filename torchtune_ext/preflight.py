@@ -15,9 +15,12 @@ cheaply:
    errors, and an adapter on a tied output projection;
 4. the optimizer and the LR scheduler are built around one dummy parameter
    (on the training device): their own value checks (``lr=-1``) run;
-5. a W&B logger's run settings (``mode``, ``project``, ...) pass W&B's own
-   validation (``wandb.Settings``), which otherwise runs only when the
-   logger starts, after the model has loaded.
+5. the metric logger's ``log_dir`` can be created, and a W&B logger's run
+   settings (``mode``, ``project``, ...) pass W&B's own validation
+   (``wandb.Settings``): both otherwise fail only when the logger starts,
+   after the model has loaded;
+6. the ``profiler`` section's arguments are ones ``setup_torch_profiler``
+   takes (it is called only after the model has loaded).
 
 Every problem is a :class:`~torchtune_ext.config.ConfigError` naming the key.
 """
@@ -31,7 +34,7 @@ import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from torchtune import config as tt_config
 
-from torchtune_ext.config import ConfigError, enabled
+from torchtune_ext.config import PROFILER_COMPONENT, ConfigError, check_output_dir, enabled
 from torchtune_ext.loss import SummedCrossEntropyLoss, build_loss
 
 
@@ -87,14 +90,15 @@ def _number_expected(param: inspect.Parameter) -> bool:
     return isinstance(default, kinds) and not isinstance(default, bool)
 
 
-def _check_arguments(key: str, target: Any, node: DictConfig) -> None:
+def _check_arguments(key: str, target: Any, node: DictConfig, path: Optional[str] = None) -> None:
+    """``path``: the name of ``target`` in messages; ``node._component_`` by default."""
     try:
         signature = inspect.signature(target)
     except (TypeError, ValueError):
         return  # a builtin without a signature: its own call will check
     params = signature.parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    path = node._component_
+    path = path or node._component_
     for name in node:
         if name == "_component_":
             continue
@@ -125,6 +129,8 @@ def check_components(cfg: DictConfig, device: torch.device) -> None:
         ConfigError: naming the key of the first problem found.
     """
     for key, node in _components(cfg):
+        if key == "profiler":
+            continue  # checked by _check_profiler, also when it leaves out _component_
         path = node._component_
         try:
             target = resolve_component(path)
@@ -137,7 +143,8 @@ def check_components(cfg: DictConfig, device: torch.device) -> None:
             _check_arguments(key, target, node)
     _check_model(cfg.model, cfg.get("max_tokens_per_micro_batch") if cfg.get("pack_micro_batches") else None)
     _check_optimizer(cfg, device)
-    _check_wandb_settings(cfg)
+    _check_metric_logger(cfg)
+    _check_profiler(cfg)
 
 
 # WandBLogger passes these to wandb.init, which stores them as these wandb.Settings fields
@@ -145,10 +152,12 @@ _WANDB_SETTINGS = {"mode": "mode", "project": "project", "entity": "entity", "gr
                    "name": "run_name", "notes": "run_notes", "tags": "run_tags", "job_type": "run_job_type"}
 
 
-def _check_wandb_settings(cfg: DictConfig) -> None:
+def _check_metric_logger(cfg: DictConfig) -> None:
     logger = enabled(cfg.get("metric_logger"))
     if logger is None:
         return
+    if isinstance(logger.get("log_dir"), str):
+        check_output_dir(logger.log_dir, "metric_logger.log_dir")  # the logger creates it when it starts
     from torchtune.training.metric_logging import WandBLogger
 
     target = resolve_component(logger._component_)
@@ -166,6 +175,16 @@ def _check_wandb_settings(cfg: DictConfig) -> None:
         except pydantic.ValidationError as err:
             reason = err.errors()[0]["msg"] if err.errors() else _short(err)
             raise ConfigError(f"metric_logger.{key}", f"W&B rejects {value!r}: {reason}") from None
+        except wandb.errors.UsageError as err:  # W&B's own validators (a project name with '/' or '#')
+            raise ConfigError(f"metric_logger.{key}", f"W&B rejects {value!r}: {err}") from None
+
+
+def _check_profiler(cfg: DictConfig) -> None:
+    profiler = cfg.get("profiler")
+    if not isinstance(profiler, DictConfig):
+        return
+    # torchtune_ext.runtime.build_profiler passes every key but _component_ (which may be left out) to it
+    _check_arguments("profiler", resolve_component(PROFILER_COMPONENT), profiler, PROFILER_COMPONENT)
 
 
 def _check_model(cfg_model: DictConfig, packed_row_tokens: Optional[int] = None) -> None:
