@@ -175,6 +175,17 @@ def test_missing_dataset_val_file_is_checked_when_validation_is_on(cfg, caplog):
         validate(cfg)
 
 
+def test_the_no_validation_line_is_printed_once_per_job(cfg, caplog, monkeypatch):
+    """validate runs on every rank under torchrun: the line comes from rank 0 only, not once per rank."""
+    cfg.dataset_val = dict(cfg.dataset)
+    for rank, said in (("1", False), ("0", True)):
+        monkeypatch.setenv("RANK", rank)
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            validate(cfg.copy())
+        assert ("no validation during training" in caplog.text) == said, rank
+
+
 @pytest.mark.parametrize("other,ours", [("val_batch_size", "batch_size_val"), ("max_validation_steps", "max_val_samples"),
                                         ("val_dataset", "dataset_val")])
 def test_other_tools_names_point_to_ours(cfg, caplog, other, ours):
