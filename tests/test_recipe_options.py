@@ -65,14 +65,18 @@ def test_log_every_n_steps(run):
     assert [r["step"] for r in rows] == [2, 4]
 
 
-def test_seed_and_shuffle_decide_the_order(run):
+def test_shuffle_decides_the_order_and_seed_does_not(run):
+    """As in torchtune, whose recipes seed their sampler with 0: the same samples in the same steps whatever
+    `seed` (seed: null included, which draws a new seed per run), another order with shuffle=false."""
     _, a = run("a", "seed=1")
     _, b = run("b", "seed=1")
     _, c = run("c", "seed=2")
+    _, e = run("e", "seed=null")
     _, d = run("d", "seed=1", "shuffle=false")
     tokens = lambda rows: [r["num_tokens"] for r in rows]  # noqa: E731
     assert tokens(a) == tokens(b) and losses(a) == losses(b)
-    assert tokens(a) != tokens(c) and tokens(a) != tokens(d)
+    assert tokens(a) == tokens(c) == tokens(e)
+    assert tokens(a) != tokens(d)
 
 
 def test_step_that_does_not_fit_runs_per_micro_batch_with_one_line(run, monkeypatch, caplog):
