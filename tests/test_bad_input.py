@@ -289,6 +289,17 @@ def child_failure(tmp_path, rank, exitcode, message=None):
     return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file=str(error_file))
 
 
+@pytest.fixture
+def launcher_signal_handlers():
+    """The launcher's wrapper ignores SIGTERM / SIGINT once its status is decided: put pytest's back afterwards."""
+    import signal
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for s, handler in saved.items():
+        signal.signal(s, handler)
+
+
 @pytest.mark.parametrize("failures,status,printed", [
     ({0: (2, "error: bad"), 1: (2, "error: bad")}, 2, ""),  # rank 0 printed it
     ({0: (-15, "error: bad"), 1: (2, "error: bad")}, 2, ""),  # rank 0 printed it, then torchrun stopped it
@@ -297,7 +308,8 @@ def child_failure(tmp_path, rank, exitcode, message=None):
      "error: saving step_2 in 'x' failed (rank 1)\n"),  # a failed save (EX_IOERR)
     ({0: (1, None), 1: (-15, None)}, None, ""),  # a crash: torchrun's own report
 ], ids=["all-ranks", "rank0-then-stopped", "other-rank-only", "save-failed", "crash"])
-def test_launcher_exits_quietly_when_the_workers_reported(tmp_path, capsys, monkeypatch, failures, status, printed):
+def test_launcher_exits_quietly_when_the_workers_reported(tmp_path, capsys, monkeypatch, failures, status, printed,
+                                                         launcher_signal_handlers):
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from torchtune_ext.launch import OUTCOME_FILE_ENV, quiet_reported_failures
@@ -321,7 +333,8 @@ def test_launcher_exits_quietly_when_the_workers_reported(tmp_path, capsys, monk
 
 @pytest.mark.parametrize("recorded", [None, 0, 74, 75, 143],
                          ids=["nothing-recorded", "finished", "save-failed", "stopped", "second-signal"])
-def test_launcher_signalled_too_exits_with_rank0s_recorded_status(monkeypatch, capsys, recorded):
+def test_launcher_signalled_too_exits_with_rank0s_recorded_status(monkeypatch, capsys, recorded,
+                                                                 launcher_signal_handlers):
     """A scheduler's SIGTERM reaches the launcher as well as the workers, and torchrun's agent raises
     SignalException, without the workers' statuses: the status rank 0 recorded is the launcher's exit status
     (0 once training finished: the signal came during the cleanup). With none recorded, the shell's status for
@@ -344,6 +357,9 @@ def test_launcher_signalled_too_exits_with_rank0s_recorded_status(monkeypatch, c
         launch.quiet_reported_failures(run)(None)
     assert exit_info.value.code == (143 if recorded is None else recorded)
     assert capsys.readouterr().err == ("tune run: stopped by SIGTERM (exit status 143)\n" if recorded is None else "")
+    import signal  # a scheduler's further signals while the launcher exits: no SignalException traceback each
+
+    assert signal.getsignal(signal.SIGTERM) == signal.getsignal(signal.SIGINT) == signal.SIG_IGN
     assert not os.path.exists(os.environ[launch.OUTCOME_FILE_ENV])  # the launcher leaves nothing behind
 
 

@@ -197,9 +197,17 @@ LATE_SIGNAL_SCRIPT = textwrap.dedent("""
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(5)
 
-    atexit.register(late_signal)
+    class Teardown:  # later still: while the interpreter tears its modules down, after its handlers are reset
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.5)
+
+    if sys.argv[2] == "teardown":
+        teardown = Teardown()
 
     def recipe_main():
+        if sys.argv[2] == "exit-hook":
+            atexit.register(late_signal)  # during the run, as wandb.init does: runs before run_main's own hook
         if sys.argv[1] == "raise":
             sys.exit(2)  # report_and_exit's way
         return int(sys.argv[1])
@@ -208,12 +216,13 @@ LATE_SIGNAL_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.parametrize("when", ["exit-hook", "teardown"])
 @pytest.mark.parametrize("status", ["0", "75", "raise"])
-def test_a_signal_while_the_interpreter_exits_keeps_the_decided_status(status):
+def test_a_signal_while_the_interpreter_exits_keeps_the_decided_status(status, when):
     """The recipe's handlers are gone once it returned; a SIGTERM during the interpreter's shutdown (W&B's exit hook)
     ended the process with 143 after a finished run or a saved stop, which a job script reads as a kill."""
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
-    proc = subprocess.run([sys.executable, "-c", LATE_SIGNAL_SCRIPT, status], env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", LATE_SIGNAL_SCRIPT, status, when], env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == (2 if status == "raise" else int(status)), proc.stderr
     assert "Traceback" not in proc.stderr

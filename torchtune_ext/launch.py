@@ -244,19 +244,33 @@ def run_main(recipe_main: Callable[[], Any]) -> None:
     the signal handlers of :class:`torchtune_ext.preemption.GracefulStop` are
     gone by then. A SIGTERM or SIGINT in that window would end the process
     with 128 + signal, which a job script reads as a kill without a
-    checkpoint; here it ends it with the decided status instead.
+    checkpoint. Here, during the exit hooks, it ends the process at once with
+    the decided status; after them, when the interpreter puts the default
+    handlers back in place of Python ones and tears its modules down (seconds
+    with torch loaded), it is ignored.
     """
+    import atexit
+    import signal
+
+    decided: List[int] = []
+
+    def ignore_late_signals() -> None:  # registered first, so it runs after the exit hooks registered later
+        if decided:
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(signum, signal.SIG_IGN)  # the interpreter's finalization keeps SIG_IGN
+
+    atexit.register(ignore_late_signals)
     try:
         status = recipe_main()
     except SystemExit as done:  # report_and_exit's
         status = done.code
     if isinstance(status, int) or status is None:
-        import signal
+        decided.append(status or 0)
 
         def exit_now(signum: int, frame: Any) -> None:
             sys.stdout.flush()
             sys.stderr.flush()
-            os._exit(status or 0)
+            os._exit(decided[0])
 
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, exit_now)
@@ -358,10 +372,21 @@ def quiet_reported_failures(run: Callable[..., Any]) -> Callable[..., Any]:
                 print(f"{message} (rank {rank})", file=sys.stderr, flush=True)
             sys.exit(failure.exitcode)
         finally:
+            # the launcher's status is decided: torchrun's handler would turn a scheduler's repeated signals
+            # into one SignalException traceback each while the launcher exits
+            _ignore_signals_while_exiting()
             if os.path.exists(outcome_file):
                 os.remove(outcome_file)
 
     return wrapper
+
+
+def _ignore_signals_while_exiting() -> None:
+    """The launcher's exit status is decided: a SIGTERM or SIGINT from now on (a scheduler's repeats) changes nothing."""
+    import signal
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, signal.SIG_IGN)
 
 
 def _is_report(message: Any) -> bool:
