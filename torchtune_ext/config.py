@@ -21,6 +21,8 @@ from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple
 
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
+from torchtune_ext.launch import _rank
+
 log = logging.getLogger(__name__)
 
 DOWNLOAD_COMMAND = "python -m torchtune_ext.download"
@@ -566,7 +568,7 @@ def _check_validation(cfg: DictConfig, training: bool) -> None:
         asked = ("run_val_every_n_steps" if cfg.run_val_every_n_steps else "run_val_at_start")
         raise ConfigError("dataset_val", f"is required by {asked}: add a dataset_val (a dataset config, as "
                           "`dataset`), or set run_val_every_n_steps=null run_val_at_start=false")
-    if cfg.dataset_val is not None and not validation_enabled(cfg) and int(os.environ.get("RANK", "0") or 0) == 0:
+    if cfg.dataset_val is not None and not validation_enabled(cfg) and _rank() == 0:
         from torchtune import utils
 
         # torchtune's logger (this module's INFO lines are not shown), at the run's log_level already: the

@@ -256,8 +256,7 @@ def run_main(recipe_main: Callable[[], Any]) -> None:
 
     def ignore_late_signals() -> None:  # registered first, so it runs after the exit hooks registered later
         if decided:
-            for signum in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(signum, signal.SIG_IGN)  # the interpreter's finalization keeps SIG_IGN
+            _ignore_signals_while_exiting()  # the interpreter's finalization keeps SIG_IGN
 
     atexit.register(ignore_late_signals)
     try:
@@ -382,7 +381,7 @@ def quiet_reported_failures(run: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _ignore_signals_while_exiting() -> None:
-    """The launcher's exit status is decided: a SIGTERM or SIGINT from now on (a scheduler's repeats) changes nothing."""
+    """The exit status is decided: a SIGTERM or SIGINT from now on (a scheduler's repeats) changes nothing."""
     import signal
 
     for signum in (signal.SIGTERM, signal.SIGINT):
