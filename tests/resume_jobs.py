@@ -90,14 +90,14 @@ def _run(recipe_cls, cfg, stop_after: Optional[int], stop_rank: int) -> int:
     rec.setup()
     if stop_after is not None:
         rank = int(os.environ.get("RANK", "0"))
-        log = rec._metric_logger.log
+        log = rec.run.metric_logger.log
 
         def log_then_signal(record):
             log(record)
             if record["step"] == stop_after and rank == stop_rank:
                 os.kill(os.getpid(), signal.SIGTERM)
 
-        rec._metric_logger.log = log_then_signal  # every rank calls it; only rank 0 writes
+        rec.run.metric_logger.log = log_then_signal  # every rank calls it; only rank 0 writes
     status = rec.train()
     rec.cleanup()
     return status

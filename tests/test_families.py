@@ -95,7 +95,7 @@ def test_family_trains_and_saves(name, kind, family_assets, tmp_path):
 
     rows = read_jsonl(out / "logs" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2] and all(r["loss"] > 0 and r["num_tokens"] > 0 for r in rows)
-    trained = {k: v.detach() for k, v in recipe._model.state_dict().items()}
+    trained = {k: v.detach() for k, v in recipe.model.state_dict().items()}
     step = out / "step_2"
     weights = sorted(p.name for p in step.glob("model-*.safetensors"))
     saved = load_with_torchtune(step, family.model_type, weights)
@@ -107,7 +107,7 @@ def test_family_trains_and_saves(name, kind, family_assets, tmp_path):
         if cfg.optimizer_in_bwd:  # the packaged config's optimizer_in_bwd: true ran as written
             from torchtune_ext.optim_in_bwd import OptimizerInBackward
 
-            assert isinstance(recipe._optimizer, OptimizerInBackward)
+            assert isinstance(recipe.run.optimizer, OptimizerInBackward)
         return
     settings = lora_settings(cfg.model)
     adapter = {k: v for k, v in trained.items() if "lora_" in k}
@@ -187,7 +187,7 @@ def test_dora_config_with_meta_checkpoint(family_assets, tmp_path):
     (weights,) = [p.name for p in step.glob("model-*")]
     saved = FullModelMetaCheckpointer(checkpoint_dir=str(step), checkpoint_files=[weights], model_type="LLAMA3",
                                       output_dir=str(tmp_path / "reload")).load_checkpoint()["model"]
-    trained = recipe._model.state_dict()
+    trained = recipe.model.state_dict()
     settings = lora_settings(cfg.model)
     checked = 0
     for key in saved:

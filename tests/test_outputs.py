@@ -45,7 +45,7 @@ def train(name, kind, family_assets, out, *extra):
     cfg = validate(OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides)), extra_keys=RECIPES[kind][2])
     recipe = run_recipe(recipe_class(*RECIPES[kind][:2]), cfg)
     with torch.no_grad():  # the recipe's model returns normed hidden states; its loss applies the output
-        logits = recipe._model.output(recipe._model(TOKENS))
+        logits = recipe.model.output(recipe.model(TOKENS))
     return out / "step_2", logits
 
 

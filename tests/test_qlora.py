@@ -65,10 +65,10 @@ def test_qlora_trains_with_nf4_base(family_assets, tmp_path):
 
     losses = [r["loss"] for r in read_jsonl(out / "logs" / "metrics.jsonl")]
     assert len(losses) == 4 and all(b < a for a, b in zip(losses, losses[1:])), losses
-    quantized = [n for n, p in recipe._model.named_parameters() if isinstance(p.data, NF4Tensor)]
+    quantized = [n for n, p in recipe.model.named_parameters() if isinstance(p.data, NF4Tensor)]
     # q, k, v, output projection and the 3 MLP projections of both layers stay NF4 after training
     assert len(quantized) == 2 * 7, quantized
-    assert all(not p.requires_grad for n, p in recipe._model.named_parameters() if n in quantized)
+    assert all(not p.requires_grad for n, p in recipe.model.named_parameters() if n in quantized)
     assert (out / "step_4" / "adapter" / "adapter_model.pt").is_file()
     assert (out / "step_4" / "model-00001-of-00001.safetensors").is_file()  # merged, dequantized
 

@@ -64,7 +64,7 @@ def test_adapter_trains_base_stays_and_checkpoint_holds_both(smollm2_assets, tin
         smollm2_assets, checkpoint_dir, out, "max_steps_per_epoch=3", "gradient_accumulation_steps=2",
         "save_every_n_steps=1", "lr_scheduler=null", "optimizer.lr=0.01", f"model.use_dora={use_dora}",
     ))
-    model = recipe._model
+    model = recipe.model
     adapter_names = set(get_adapter_params(model))
     assert {n for n, p in model.named_parameters() if p.requires_grad} == adapter_names
     live = model.state_dict()

@@ -35,15 +35,15 @@ def losses(rows):
 def test_activation_checkpointing_wraps_layers_and_changes_no_number(run):
     plain, rows = run("plain")
     wrapped, rows_ac = run("ac", "enable_activation_checkpointing=true")
-    assert not any(isinstance(m, CheckpointWrapper) for m in plain._model.modules())
-    assert sum(isinstance(m, CheckpointWrapper) for m in wrapped._model.modules()) == len(wrapped._model.layers)
+    assert not any(isinstance(m, CheckpointWrapper) for m in plain.model.modules())
+    assert sum(isinstance(m, CheckpointWrapper) for m in wrapped.model.modules()) == len(wrapped.model.layers)
     assert losses(rows_ac) == pytest.approx(losses(rows), rel=1e-6)
 
 
 def test_bf16_trains_in_bf16_close_to_fp32(run):
     _, rows = run("fp32")
     recipe, rows_bf16 = run("bf16", "dtype=bf16")
-    assert {p.dtype for p in recipe._model.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in recipe.model.parameters()} == {torch.bfloat16}
     # the loss is accumulated in fp32 from bf16 logits: close, not equal
     assert losses(rows_bf16)[0] == pytest.approx(losses(rows)[0], rel=2e-2)
     assert all(r["loss"] == r["loss"] for r in rows_bf16)  # no NaN
@@ -52,11 +52,11 @@ def test_bf16_trains_in_bf16_close_to_fp32(run):
 def test_compile_matches_eager(run):
     eager, rows = run("eager")
     recipe, rows_compiled = run("compiled", "compile=true")
-    compiled = [m for m in recipe._model.modules() if getattr(m, "_compiled_call_impl", None) is not None]
-    assert len(compiled) == len(recipe._model.layers)
+    compiled = [m for m in recipe.model.modules() if getattr(m, "_compiled_call_impl", None) is not None]
+    assert len(compiled) == len(recipe.model.layers)
     # the tied embedding adds its rows to .grad itself on CPU, but not under compile
-    assert type(eager._model.tok_embeddings).__name__ == "_RowsIntoGradEmbedding"
-    assert type(recipe._model.tok_embeddings) is torch.nn.Embedding
+    assert type(eager.model.tok_embeddings).__name__ == "_RowsIntoGradEmbedding"
+    assert type(recipe.model.tok_embeddings) is torch.nn.Embedding
     assert losses(rows_compiled) == pytest.approx(losses(rows), rel=1e-4)
 
 
@@ -187,15 +187,10 @@ def test_token_metrics_can_be_turned_off_and_change_nothing_else(run):
 
 
 def test_training_on_cpu_keeps_freed_memory(run, monkeypatch):
-    """The recipe turns on runtime.keep_freed_cpu_memory for its device when training starts (the other three
-    recipes call it from train() as well)."""
+    """The shared loop (every recipe's train()) turns on runtime.keep_freed_cpu_memory for its device."""
+    from torchtune_ext import loop
+
     calls = []
-    monkeypatch.setitem(RECIPE.train.__globals__, "keep_freed_cpu_memory", lambda device: calls.append(device.type))
+    monkeypatch.setattr(loop, "keep_freed_cpu_memory", lambda device: calls.append(device.type))
     run("plain")
     assert calls == ["cpu"]
-    for path, name in [("recipes/lora_finetune_single_device.py", "LoRAFinetuneRecipeSingleDevice"),
-                       ("recipes/full_finetune_distributed.py", "FullFinetuneRecipeDistributed"),
-                       ("recipes/lora_finetune_distributed.py", "LoRAFinetuneRecipeDistributed")]:
-        train = recipe_class(path, name).train
-        assert "keep_freed_cpu_memory" in train.__code__.co_names, path
-        assert train.__globals__["keep_freed_cpu_memory"].__module__ == "torchtune_ext.runtime", path

@@ -237,8 +237,10 @@ def test_embedding_rows_into_grad_gives_the_same_gradients_and_updates(once):
         assert step_d["tok_embeddings.weight"].abs().sum() > 0
         for n in step_d:
             assert rel_diff(step_r[n], step_d[n]) <= 1e-6, n
+    # After Adam updates, summation-order differences in the gradients (1 OpenMP thread sums in another order
+    # than 2) are amplified where Adam divides by a tiny second moment: the project's 1e-5 bound applies.
     for n in params_d:
-        assert rel_diff(params_r[n], params_d[n]) <= 1e-6, n
+        assert rel_diff(params_r[n], params_d[n]) <= 1e-5, n
 
 
 def test_embedding_rows_into_grad_reach_optimizer_in_backward():

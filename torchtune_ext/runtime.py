@@ -30,6 +30,21 @@ import torch
 from torch import nn
 
 
+def wrap_activations(model: nn.Module, *, checkpointing: bool, offloading: bool) -> None:
+    """Activation checkpointing per decoder layer, then offloading, as the config keys ask.
+
+    ``enable_activation_checkpointing``: each ``TransformerSelfAttentionLayer``
+    recomputes its forward in backward instead of keeping its activations
+    (torchtune's ``set_activation_checkpointing``); ``enable_activation_offloading``:
+    :func:`offload_activations`. Call before FSDP sharding and compiling.
+    """
+    if checkpointing:
+        from torchtune import modules, training
+
+        training.set_activation_checkpointing(model, auto_wrap_policy={modules.TransformerSelfAttentionLayer})
+    offload_activations(model, offloading)
+
+
 def offload_activations(model: nn.Module, enabled: bool) -> None:
     """Offload the activations saved for backward to CPU memory during ``model``'s forward.
 

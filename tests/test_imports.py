@@ -1,0 +1,144 @@
+"""The library's imports point one way: no cycle, no private name used across modules.
+
+Walks the source of every module of ``torchtune_ext`` with ``ast`` (nothing is
+imported), so a new cycle or a reach into another module's private names fails
+here, whichever function hides it.
+"""
+
+import ast
+from pathlib import Path
+from typing import Dict, List, Set, Tuple
+
+PACKAGE = "torchtune_ext"
+ROOT = Path(__file__).resolve().parents[1] / PACKAGE
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> Dict[str, Path]:
+    return {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+def _resolve(importer: str, node: ast.ImportFrom, is_package: bool) -> str:
+    if not node.level:
+        return node.module or ""
+    base = importer.split(".") if is_package else importer.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _imports(name: str, path: Path, known: Set[str]) -> List[Tuple[str, int, str, bool]]:
+    """(imported module, line, imported name or '', inside a function) for each import of ours."""
+    tree = ast.parse(path.read_text(), str(path))
+    found = []
+
+    def visit(node, in_function: bool):
+        for child in ast.iter_child_nodes(node):
+            local = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            if isinstance(child, ast.Import):
+                found.extend((a.name, child.lineno, "", in_function) for a in child.names
+                             if a.name.split(".")[0] == PACKAGE)
+            elif isinstance(child, ast.ImportFrom):
+                module = _resolve(name, child, path.name == "__init__.py")
+                if module.split(".")[0] != PACKAGE:
+                    continue
+                for alias in child.names:
+                    target = f"{module}.{alias.name}"
+                    if target in known:  # `from package import module`
+                        found.append((target, child.lineno, "", in_function))
+                    else:
+                        found.append((module, child.lineno, alias.name, in_function))
+            visit(child, local)
+
+    visit(tree, False)
+    return found
+
+
+def _graph() -> Dict[str, Set[str]]:
+    modules = _modules()
+    known = set(modules)
+    graph = {}
+    for name, path in modules.items():
+        edges = set()
+        for module, _, _, _ in _imports(name, path, known):
+            # importing a.b.c runs a and a.b first: an edge to each package on the way
+            parts = module.split(".")
+            edges.update(".".join(parts[:i]) for i in range(2, len(parts) + 1) if ".".join(parts[:i]) in known)
+        edges.discard(name)
+        graph[name] = edges
+    return graph
+
+
+def _cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
+    """Strongly connected components with more than one module (Tarjan's algorithm)."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+    counter = [0]
+
+    def strongconnect(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                strongconnect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            strongconnect(v)
+    return out
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycle_among_the_library_modules():
+    cycles = _cycles(_graph())
+    assert not cycles, "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_no_private_name_is_imported_from_another_module():
+    modules = _modules()
+    known = set(modules)
+    offenders = [f"{_module_name(path)}:{line} imports {module}.{imported}"
+                 for name, path in modules.items()
+                 for module, line, imported, _ in _imports(name, path, known)
+                 if imported.startswith("_") and not imported.startswith("__")]
+    assert not offenders, "\n".join(offenders)
+
+
+def _has_comment(path: Path, line: int) -> bool:
+    lines = path.read_text().splitlines()
+    return "#" in lines[line - 1] or lines[line - 2].strip().startswith("#")
+
+
+def test_a_function_imports_a_library_module_only_for_import_weight_and_says_so():
+    """A function-local import of our own modules must not dodge a cycle; one that defers a heavy import
+    (e.g. at interpreter start-up, from a .pth file) says so in a comment on or above its line."""
+    modules = _modules()
+    known = set(modules)
+    offenders = [f"{_module_name(path)}:{line} imports {module} inside a function without saying why"
+                 for name, path in modules.items()
+                 for module, line, _, in_function in _imports(name, path, known)
+                 if in_function and not _has_comment(path, line)]
+    assert not offenders, "\n".join(offenders)

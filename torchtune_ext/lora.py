@@ -1,0 +1,55 @@
+"""Loading a torchtune LoRA model's weights: the frozen base, DoRA's magnitudes, and a resumed adapter.
+
+Shared by both LoRA recipes, which differ only in how a state dict reaches the
+parameters (``load_state_dict`` on one device; shard by shard under FSDP2).
+"""
+
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from torch import nn
+from torchtune.modules.peft import validate_missing_and_unexpected_for_lora
+
+from torchtune_ext.config import ConfigError, lora_settings
+
+# load(state_dict) -> (missing keys, unexpected keys), as nn.Module.load_state_dict(strict=False) returns them
+LoadStateDict = Callable[[Dict[str, Any]], Tuple[List[str], List[str]]]
+
+
+def load_lora_weights(model: nn.Module, cfg_model: Any, base_state: Dict[str, Any], load_base: LoadStateDict,
+                      adapter_state: Optional[Dict[str, Any]] = None,
+                      load_adapter: Optional[LoadStateDict] = None) -> None:
+    """Load the base weights, then (when resuming) the adapter, and check that every key is accounted for.
+
+    DoRA magnitudes are initialized between the two, from the norms of the
+    loaded base weights (a resumed adapter then overwrites them with the
+    trained ones).
+
+    Args:
+        model: a LoRA model built from ``cfg_model``.
+        cfg_model: the ``model`` config (its LoRA settings say which keys must exist).
+        base_state: the base checkpoint's state dict; ``load_base`` loads it non-strictly.
+        adapter_state: a resumed adapter, or None; ``load_adapter`` loads it non-strictly.
+
+    Raises:
+        ConfigError: (key ``resume_from_checkpoint``) when the saved adapter
+            does not fit the model (``lora_rank`` changed since the checkpoint).
+        AssertionError: torchtune's check, when keys are missing or unexpected.
+    """
+    base_missing, base_unexpected = load_base(base_state)
+    for module in model.modules():
+        if hasattr(module, "initialize_dora_magnitude"):
+            module.initialize_dora_magnitude()  # DoRA starts from the norms of the loaded base weights
+    adapter_missing = adapter_unexpected = None
+    if adapter_state is not None:
+        try:
+            adapter_missing, adapter_unexpected = load_adapter(adapter_state)
+        except (RuntimeError, ConfigError) as err:  # shape mismatch: lora_rank changed since the checkpoint
+            raise ConfigError(
+                "resume_from_checkpoint", f"the saved adapter does not fit model.lora_rank: resume with the "
+                f"LoRA settings it was trained with ({err})") from None
+    settings = lora_settings(cfg_model)
+    validate_missing_and_unexpected_for_lora(
+        lora_attn_modules=list(settings.lora_attn_modules), apply_lora_to_mlp=settings.apply_lora_to_mlp,
+        apply_lora_to_output=settings.apply_lora_to_output, base_missing=base_missing,
+        base_unexpected=base_unexpected, lora_missing=adapter_missing, lora_unexpected=adapter_unexpected,
+    )
