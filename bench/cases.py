@@ -50,6 +50,9 @@ VARIANT_OVERRIDES: Dict[str, Tuple[str, ...]] = {
 # Variants that rearrange the step's samples beyond grouping (their losses must equal the defaults').
 BUDGET_VARIANTS = (OURS_BUDGET, OURS_PACKED, OURS_PACKED_2048)
 
+# The seed of every run: upstream's sampler is seeded with 0 whatever its config says.
+SEED = 0
+
 # (implementation, kind, distributed) -> (recipe, config). Ours are files run
 # from the repository root; upstream's are the built-in recipes of torchtune's
 # wheel, by name, with configs under bench/configs/ that point them at our
@@ -232,7 +235,7 @@ def run_overrides(case: Case, profile: Profile, output_dir: Path, steps: Optiona
         f"tokenizer.max_seq_len={profile.max_seq_len_of(case.group)}",
         # upstream seeds its sampler with 0 whatever the config says: the same
         # seed gives ours the same samples in the same order
-        "seed=0",
+        f"seed={SEED}",
         f"device={profile.device}",
         f"dtype={profile.dtype}",
         "log_every_n_steps=1",
@@ -264,6 +267,10 @@ def command(case: Case, profile: Profile, output_dir: Path, steps: Optional[int]
     launch_args = ["--out", str(output_dir / "probe.json")]
     if case.impl == UPSTREAM:
         launch_args.append("--upstream")
+        if case.group.kind == "lora":
+            # upstream draws its initial adapter from another random stream than ours
+            # (bench.launch.OurInitialAdapter): start it from ours, so the losses compare the steps
+            launch_args += ["--adapter-seed", str(SEED)]
     if profile.pad_to:
         launch_args += ["--pad-to", str(profile.pad_to)]
     args = [*launch_args, recipe, "--config", config, *run_overrides(case, profile, output_dir, steps)]

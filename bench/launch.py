@@ -30,6 +30,10 @@ that time and measure both kinds of recipe the same way:
 * **Fixed shapes** (``--pad-to N``): every micro-batch is right-padded to N
   tokens (labels ``ignore_index``), so peak memory does not depend on which
   samples a run happens to draw; tokens/sec still counts non-padding tokens.
+* **Our initial adapter** (``--adapter-seed N``, upstream LoRA runs): the
+  adapters of upstream's model are set to the ones our recipes start from
+  (:class:`OurInitialAdapter`), so a loss difference measures the training
+  step, not two different random draws of LoRA's A matrices.
 
 Upstream's end-of-epoch checkpoint is not written (its checkpointer's save
 is a no-op here): it happens after the last step and would only cost time
@@ -40,6 +44,7 @@ With torchrun, every rank writes ``<out stem>_rank<r>.json``.
 
 import argparse
 import atexit
+import copy
 import functools
 import gc
 import json
@@ -52,6 +57,8 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
+
+from torchtune_ext.models import initialize_adapters
 
 IGNORE_INDEX = -100
 
@@ -292,6 +299,84 @@ def _install_upstream(probe: Probe) -> None:
         training.cleanup_before_training = lambda: gc.collect()
 
 
+class OurInitialAdapter:
+    """Start upstream's LoRA recipes from the adapter our recipes start from.
+
+    Both sides draw LoRA's A matrices (kaiming-uniform) and set B to zero, but
+    from different random streams: ours from a generator seeded with the run's
+    seed alone (:func:`torchtune_ext.models.initialize_adapters`, the same
+    adapter on any device and world size), upstream's single-device recipe
+    from the global stream after the base weights drew from it, its
+    distributed recipe after sharding. With B = 0 the losses agree until an
+    update with a non-zero learning rate has moved B (with the configs'
+    ``num_warmup_steps: 2`` the first one is step 2, so they part at step 3);
+    from there on each side trains its own, equally valid, initial adapter.
+    Replacing upstream's draw by ours makes the comparison one of the training
+    steps alone. Only upstream's random draw is replaced: its model, loading,
+    optimizer, schedule, clipping and loop run unchanged.
+
+    Two hooks into torchtune functions both upstream LoRA recipes call by name:
+
+    * ``set_trainable_params(model, ...)``, right after the model is built.
+      Single device (model on its device): the adapters are re-initialized
+      there with our function. Distributed (model on the meta device, sharded
+      and initialized later): our adapter is computed on CPU from a copy and
+      kept for the next hook.
+    * ``load_from_full_model_state_dict`` (distributed only): after upstream
+      loads the base weights (its adapters are initialized by then), the kept
+      adapter is loaded through the same function, into the sharded model.
+
+    DoRA magnitudes are left to upstream: both sides compute them from the
+    base weights. ``applied`` counts the adapter tensors set from our draw.
+    """
+
+    def __init__(self, seed: int):
+        self.seed = seed
+        self.applied = 0
+        self._pending: Optional[Dict[str, torch.Tensor]] = None
+
+    def wrap_set_trainable_params(self, original: Callable) -> Callable:
+        """``torchtune.modules.peft.set_trainable_params``, our initial adapter set first."""
+        @functools.wraps(original)
+        def set_trainable_params(model, adapter_params, *args, **kwargs):
+            adapters = [m for m in model.modules() if hasattr(m, "adapter_params") and hasattr(m, "lora_a")]
+            if adapters and adapters[0].lora_a.weight.is_meta:
+                # a copy of the meta model costs nothing; its adapters come back full size on CPU
+                draft = copy.deepcopy(model)
+                initialize_adapters(draft, self.seed)
+                self._pending = {name: value.detach().clone() for name, value in draft.state_dict().items()
+                                 if ".lora_a." in name or ".lora_b." in name}
+            elif adapters:
+                initialize_adapters(model, self.seed)
+                self.applied = 2 * len(adapters)
+            return original(model, adapter_params, *args, **kwargs)
+
+        return set_trainable_params
+
+    def wrap_load_from_full_model_state_dict(self, original: Callable) -> Callable:
+        """``torchtune.training.load_from_full_model_state_dict``, the kept adapter loaded after the base weights."""
+
+        @functools.wraps(original)
+        def load_from_full_model_state_dict(model, full_sd, device, *args, **kwargs):
+            result = original(model, full_sd, device, *args, **kwargs)
+            if self._pending is not None and not any(".lora_" in name for name in full_sd):
+                adapter, self._pending = self._pending, None
+                original(model, adapter, device, *args, **kwargs)
+                self.applied = len(adapter)
+            return result  # the base load's missing keys, as upstream checks them
+
+        return load_from_full_model_state_dict
+
+    def install(self) -> None:
+        """Patch both hooks; call before the recipe module is imported (it binds the names then)."""
+        import torchtune.modules.peft as peft
+        from torchtune import training
+
+        peft.set_trainable_params = self.wrap_set_trainable_params(peft.set_trainable_params)
+        training.load_from_full_model_state_dict = self.wrap_load_from_full_model_state_dict(
+            training.load_from_full_model_state_dict)
+
+
 def recipe_path(recipe: str, upstream: bool) -> str:
     """File of a recipe: ours as given, upstream's by name inside torchtune's wheel."""
     if not upstream:
@@ -311,6 +396,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--upstream", action="store_true", help="run torchtune's built-in recipe of that name")
     parser.add_argument("--pad-to", type=int, help="pad every micro-batch to this many tokens (fixed shapes)")
+    parser.add_argument("--adapter-seed", type=int,
+                        help="upstream LoRA: start from the adapter our recipes draw with this seed")
     parser.add_argument("recipe")
     args, recipe_args = parser.parse_known_args(argv)
 
@@ -322,6 +409,15 @@ def main(argv: Optional[List[str]] = None) -> None:
 
     register_optimizer_step_post_hook(probe.optimizer_step)
     (_install_upstream if args.upstream else _install_ours)(probe)
+    if args.adapter_seed is not None:
+        if not args.upstream:
+            parser.error("--adapter-seed is for upstream's recipes (ours draw it from their seed)")
+        adapter = OurInitialAdapter(args.adapter_seed)
+        adapter.install()
+        # recorded at exit (atexit runs this before probe.write, registered earlier):
+        # a run whose hooks never fired compared two different adapters
+        probe.data["initial_adapter"] = {"seed": args.adapter_seed}
+        atexit.register(lambda: probe.data["initial_adapter"].update(applied=adapter.applied))
 
     path = recipe_path(args.recipe, args.upstream)
     sys.argv = [path, *recipe_args]

@@ -158,6 +158,12 @@ def read_run(case: Case, output_dir: Path, num_steps: int) -> Dict[str, Any]:
     ``mean_sample_tokens``.
     """
     probes = _probes(output_dir)
+    for probe in probes:
+        adapter = probe.get("initial_adapter")  # upstream LoRA: bench.launch --adapter-seed
+        if adapter is not None and not adapter.get("applied"):
+            raise ValueError(f"rank {probe['rank']}: upstream's initial adapter was not replaced by ours (the recipe "
+                             "no longer calls the functions bench.launch.OurInitialAdapter hooks): its losses would "
+                             "compare two different random adapters")
     rank0 = probes[0]
     ends = [e["time"] for e in rank0["step_ends"]]
     if len(ends) != num_steps:

@@ -3,6 +3,7 @@
 Fast: no model is run (the FLOPs counts build SmolLM2 on the meta device).
 """
 
+import json
 from pathlib import Path
 
 import pytest
@@ -193,6 +194,27 @@ def test_commands_give_both_implementations_the_same_settings(tmp_path):
     assert "backward_once_per_step=false" in ours and "--upstream" in up
     assert up[:5] == ours[:5] and "--nproc_per_node=2" in up
     assert "gradient_accumulation_steps=4" in up and "seed=0" in up
+
+
+def test_upstream_lora_runs_start_from_our_adapter():
+    """Upstream draws its initial adapter from another random stream than ours; the benchmark gives it ours
+    (bench.launch.OurInitialAdapter, tested in test_lora_parity.py), drawn with the runs' seed."""
+    for profile in PROFILES.values():
+        for case in profile.cases():
+            cmd = command(case, profile, Path("/tmp/x"))
+            wanted = case.variant == UPSTREAM and case.group.kind == "lora"
+            assert ("--adapter-seed" in cmd) == wanted, case.name
+            if wanted:
+                assert f"seed={cmd[cmd.index('--adapter-seed') + 1]}" in cmd
+
+
+def test_an_upstream_lora_run_whose_adapter_was_not_replaced_is_not_read(tmp_path):
+    from bench.runner import read_run
+
+    case = Case(Group("lora", 1, 4), UPSTREAM)
+    (tmp_path / "probe.json").write_text(json.dumps({"rank": 0, "initial_adapter": {"seed": 0, "applied": 0}}))
+    with pytest.raises(ValueError, match="initial adapter was not replaced"):
+        read_run(case, tmp_path, 3)
 
 
 def test_every_profile_case_has_a_recipe_and_config():
