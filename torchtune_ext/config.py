@@ -452,6 +452,61 @@ _OTHER_NAMES = {"val_batch_size": "batch_size_val", "eval_batch_size": "batch_si
                 "max_eval_samples": "max_val_samples", "eval_steps": "run_val_every_n_steps"}
 
 
+# The keys of this process's command-line overrides (``key=value``), while the recipe's entry point runs
+# (torchtune_ext.launch.exit_on_user_error sets them before torchtune merges them into the YAML): validate
+# refuses one whose top-level key the recipe does not have; the same key in the YAML file is a warning only.
+_command_line_keys: Tuple[str, ...] = ()
+
+
+@contextlib.contextmanager
+def command_line_keys(keys: Iterable[str]) -> Iterator[None]:
+    """Within the block, :func:`validate` refuses an override key in ``keys`` that names no key of the recipe.
+
+    Args:
+        keys: dotted keys of the ``key=value`` overrides typed on the command
+            line (``optimizer.lr``), as :func:`torchtune_ext.launch.check_command_line` returns them.
+    """
+    global _command_line_keys
+    outer, _command_line_keys = _command_line_keys, tuple(keys)
+    try:
+        yield
+    finally:
+        _command_line_keys = outer
+
+
+def _check_command_line_keys(schema: Dict[str, Key]) -> None:
+    for key in _command_line_keys:
+        top = key.split(".")[0].split("[")[0]
+        if top in schema:
+            continue  # a component's arguments are checked against its signature (torchtune_ext.preflight)
+        readers = [name for name, keys in (("distributed", DISTRIBUTED_KEYS), ("LoRA", LORA_KEYS)) if top in keys]
+        hint = _closest(top, schema) or (f" (only the {readers[0]} recipes read it)" if readers else "")
+        raise ConfigError(key, f"typed on the command line, but this recipe has no key '{top}', so the value "
+                          f"would be ignored{'.' if hint.startswith(' Did') else ''}{hint}")
+
+
+def ignored_keys(cfg: DictConfig, extra_keys: Optional[Dict[str, Key]] = None) -> Tuple[str, ...]:
+    """The top-level keys of ``cfg`` that the recipe does not read (those :func:`validate` warns about)."""
+    schema = {**COMMON_KEYS, **(extra_keys or {})}
+    return tuple(key for key in cfg.keys() if key not in schema)
+
+
+def remind_ignored_keys(cfg: DictConfig, extra_keys: Optional[Dict[str, Key]] = None) -> None:
+    """At the end of a run, say once more (rank 0, a warning) which config keys were ignored, if any.
+
+    The warnings of :func:`validate` come first thing, where the lines of
+    the run push them out of sight; a key a user meant to set (misspelt in
+    the YAML file) is worth a second look.
+
+    Args:
+        cfg: the config as :func:`validate` returned it.
+        extra_keys: the recipe's keys beyond :data:`COMMON_KEYS`, as given to ``validate``.
+    """
+    ignored = ignored_keys(cfg, extra_keys)
+    if ignored and _rank() == 0:
+        log.warning("Config keys this recipe ignored (not read, as said at the start): %s", ", ".join(ignored))
+
+
 def _closest(key: str, known: Iterable[str]) -> str:
     known = list(known)
     if _OTHER_NAMES.get(key) in known:
@@ -720,9 +775,12 @@ def validate(cfg: DictConfig, extra_keys: Optional[Dict[str, Key]] = None,
         DictConfig: a new config with every known key present.
 
     Raises:
-        ConfigError: the first problem found, naming its key.
+        ConfigError: the first problem found, naming its key; also a key typed
+            on the command line that the recipe does not have (see
+            :func:`command_line_keys`), where one in the YAML file is a warning.
     """
     schema = {**COMMON_KEYS, **(extra_keys or {})}
+    _check_command_line_keys(schema)
     cfg = cfg.copy()
     for key in list(cfg.keys()):
         if key not in schema:

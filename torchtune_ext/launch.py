@@ -79,12 +79,15 @@ def _config_paths(argv: List[str]) -> List[str]:
     return paths
 
 
-def check_command_line(argv: List[str]) -> None:
+def check_command_line(argv: List[str]) -> List[str]:
     """Check a recipe's command line the way torchtune's ``config.parse`` will read it.
 
     Args:
         argv: the arguments after the program name: ``--config <file>`` and
             ``key=value`` / ``~key`` overrides.
+
+    Returns:
+        the keys of the ``key=value`` overrides, in order (``optimizer.lr``).
 
     Raises:
         UserError: the config file is missing, not YAML (with line and
@@ -101,7 +104,7 @@ def check_command_line(argv: List[str]) -> None:
 
     paths = _config_paths(argv)
     if not paths:
-        return  # torchtune's parser says that --config is required
+        return []  # torchtune's parser says that --config is required
     if len(set(paths)) > 1:  # a user may expect the files to be merged; argparse keeps the last one only
         raise UserError(f"--config is given {len(paths)} times ({', '.join(repr(p) for p in paths)}): only one "
                         f"file is read, not a merge; give one --config and key=value overrides")
@@ -128,7 +131,7 @@ def check_command_line(argv: List[str]) -> None:
     if not isinstance(loaded, DictConfig):
         raise UserError(f"--config '{path}' must hold a mapping of config keys, not a list")
 
-    skip = False
+    skip, keys = False, []
     for i, arg in enumerate(argv):
         if skip or arg == "--config" or arg.startswith("--config="):
             skip = arg == "--config"
@@ -147,6 +150,8 @@ def check_command_line(argv: List[str]) -> None:
         if arg.count("=") != 1 or not arg.split("=")[0]:
             raise UserError(f"command line '{arg}': expected key=value" +
                             (" (torchtune's parser does not accept '=' inside a value)" if arg.count("=") > 1 else ""))
+        keys.append(arg.split("=")[0])
+    return keys
 
 
 _ABSENT = object()
@@ -281,7 +286,9 @@ def exit_on_user_error(recipe_main: Callable[..., Any]) -> Callable[..., Any]:
 
     Wrap torchtune's ``config.parse``-decorated ``recipe_main`` (see the
     module docstring): called without arguments, the command line is checked
-    first (:func:`check_command_line`).
+    first (:func:`check_command_line`), and its override keys are given to
+    :func:`torchtune_ext.config.validate`, which refuses one that names no key
+    of the recipe (:func:`torchtune_ext.config.command_line_keys`).
 
     * :class:`torchtune_ext.config.UserError` (``ConfigError`` included):
       ``error: <message>``, exit status 2.
@@ -291,15 +298,15 @@ def exit_on_user_error(recipe_main: Callable[..., Any]) -> Callable[..., Any]:
       <message>``, exit status 74.
     """
     from torchtune_ext.checkpoint import CheckpointSaveError
-    from torchtune_ext.config import UserError
+    from torchtune_ext.config import UserError, command_line_keys
     from torchtune_ext.health import TrainingHealthError
 
     @functools.wraps(recipe_main)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
-            if not args and not kwargs:
-                check_command_line(sys.argv[1:])
-            return recipe_main(*args, **kwargs)
+            typed = check_command_line(sys.argv[1:]) if not args and not kwargs else []
+            with command_line_keys(typed):
+                return recipe_main(*args, **kwargs)
         except UserError as err:
             report_and_exit(f"error: {err}", EXIT_USER_ERROR)
         except TrainingHealthError as err:
