@@ -39,6 +39,7 @@ from typing import IO, Any, Dict, Optional
 import torch.distributed as dist
 
 from torchtune_ext.config import ConfigError, output_dir_refused, output_dir_taken
+from torchtune_ext.launch import record_output_dir
 
 LOCK_FILE = ".run.lock"
 # An exclusive lock can briefly fail while another rank of the same job probes
@@ -134,6 +135,7 @@ class OutputDirLock:
             raise _in_use(output_dir, who)
         output_dir_taken(output_dir, created_folder=self._created_folder,
                          created_files=(LOCK_FILE,) if self._created_file else ())
+        record_output_dir(output_dir)  # torchrun's launcher names its newest checkpoint if a worker dies
 
     def _acquire(self, folder: Path) -> Optional[str]:
         deadline = time.monotonic() + _ACQUIRE_RETRY_S
