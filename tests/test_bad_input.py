@@ -640,3 +640,74 @@ def test_wandb_server_that_cannot_be_reached_leaves_the_error_line_last(tmp_path
     assert "Traceback" not in proc.stdout, proc.stdout[-3000:]
     assert proc.stdout.strip().splitlines()[-1].startswith("error: config key 'metric_logger': W&B could not start")
     assert not out.exists()
+
+
+# ------------------------------------------------------- unknown keys (issue 33 U1)
+@pytest.mark.parametrize("override,key,closest", [
+    ("optimzer.lr=1e-4", "optimzer.lr", "optimizer"),  # a section misspelt: nothing sets the learning rate
+    ("gradient_accumulation=4", "gradient_accumulation", "gradient_accumulation_steps"),
+    ("val_batch_size=4", "val_batch_size", "batch_size_val"),  # another tool's name for ours
+    ("fsdp_cpu_offload=true", "fsdp_cpu_offload", None),  # a key of the distributed recipes only
+])
+def test_a_command_line_key_that_matches_nothing_stops_the_run(tiny_cfg, override, key, closest, caplog):
+    """A key typed on the command line that no recipe key matches would train at the defaults, exit 0, with a
+    warning scrolled away: one line naming it (and the closest key), before anything is built."""
+    from torchtune_ext.config import command_line_keys
+
+    message = f"^config key '{key}': typed on the command line, but this recipe has no key '{key.split('.')[0]}'"
+    with command_line_keys([override.split("=")[0]]), pytest.raises(ConfigError, match=message) as err:
+        tiny_cfg(override)
+    assert "\n" not in str(err.value)
+    assert str(err.value).endswith(f"Did you mean '{closest}'?" if closest else
+                                   "the value would be ignored (only the distributed recipes read it)")
+    assert not caplog.records  # no warning before the line
+
+
+def test_an_unknown_key_in_the_yaml_file_is_a_warning_and_named_again_at_the_end(tiny_cfg, caplog, monkeypatch):
+    """torchtune's configs carry keys no recipe reads: a warning at the start, listed once more at the end
+    (remind_ignored_keys, which the training loop calls when the run ends), on rank 0 only; a known key given
+    on the command line is fine."""
+    from torchtune_ext.config import command_line_keys, remind_ignored_keys
+
+    with command_line_keys(["batch_size", "optimizer.lr"]):
+        cfg = tiny_cfg("enable_kv_cache=true", "optimzer.lr=1", "batch_size=3", "optimizer.lr=0.1")
+    assert cfg.batch_size == 3
+
+    def warned():
+        return [r.getMessage() for r in caplog.records if r.name == "torchtune_ext.config"]
+
+    assert warned() == ["Unknown config key 'enable_kv_cache' is ignored.",
+                      "Unknown config key 'optimzer' is ignored. Did you mean 'optimizer'?"]
+    caplog.clear()
+    remind_ignored_keys(cfg)
+    assert warned() == ["Config keys this recipe ignored (not read, as said at the start): enable_kv_cache, optimzer"]
+    caplog.clear()
+    monkeypatch.setenv("RANK", "1")
+    remind_ignored_keys(cfg)
+    assert not warned()
+    monkeypatch.setenv("RANK", "0")
+    cfg = tiny_cfg()
+    caplog.clear()
+    remind_ignored_keys(cfg)  # nothing ignored: nothing said
+    assert not warned()
+
+
+def test_command_line_keys_are_those_of_the_overrides(yaml_file):
+    path = yaml_file("model:\n  _component_: torchtune_ext.models.tiny_llama\nbatch_size: 2\n")
+    assert check_command_line(["--config", path, "batch_size=3", "~batch_size", "model.embed_dim=32",
+                               "optimzer.lr=1"]) == ["batch_size", "model.embed_dim", "optimzer.lr"]
+
+
+def test_a_misspelt_override_ends_tune_run_with_one_line_before_anything_loads(tiny_run, tmp_path):
+    """The issue's command: exit 2, one line, nothing written (the output folder is not even created)."""
+    from helpers import run_tune
+
+    config = tiny_run()
+    out = tmp_path / "typo_out"
+    proc = run_tune("recipes/full_finetune_single_device.py", "--config", str(config), f"output_dir={out}",
+                    "optimzer.lr=1e-4")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == [
+        "error: config key 'optimzer.lr': typed on the command line, but this recipe has no key 'optimzer', so "
+        "the value would be ignored. Did you mean 'optimizer'?"]
+    assert not out.exists()

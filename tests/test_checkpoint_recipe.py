@@ -155,6 +155,7 @@ def test_a_failed_setup_removes_what_it_added_at_any_depth_and_finishes_wandb_fi
     what setup created at the top (the staging folder); every file that was there stays as it was. The W&B
     run is finished (with the status the run will end with) before its folder is removed."""
     from torchtune_ext import launch
+    from torchtune_ext.run_lock import OutputDirLock
 
     out = tmp_path / "out"
     old = {"logs/metrics.jsonl": "{}\n", "logs/config_1.yaml": "a: 1\n", "logs/wandb/offline-run-1/run.wandb": "x",
@@ -167,6 +168,7 @@ def test_a_failed_setup_removes_what_it_added_at_any_depth_and_finishes_wandb_fi
                         lambda code, quiet: finished.append((code, quiet, (out / "logs/wandb/offline-run-2").exists())))
     with pytest.raises(type(error)):
         with output_dir_unchanged_on_error(str(out)):
+            OutputDirLock(str(out))  # as setup does first: what appears after it is the run's (its lock file too)
             for name in ("logs/config_2.yaml", "logs/wandb/offline-run-2/run.wandb", "logs/wandb/latest-run",
                          ".staging/x"):
                 (out / name).parent.mkdir(parents=True, exist_ok=True)

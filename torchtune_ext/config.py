@@ -452,6 +452,61 @@ _OTHER_NAMES = {"val_batch_size": "batch_size_val", "eval_batch_size": "batch_si
                 "max_eval_samples": "max_val_samples", "eval_steps": "run_val_every_n_steps"}
 
 
+# The keys of this process's command-line overrides (``key=value``), while the recipe's entry point runs
+# (torchtune_ext.launch.exit_on_user_error sets them before torchtune merges them into the YAML): validate
+# refuses one whose top-level key the recipe does not have; the same key in the YAML file is a warning only.
+_command_line_keys: Tuple[str, ...] = ()
+
+
+@contextlib.contextmanager
+def command_line_keys(keys: Iterable[str]) -> Iterator[None]:
+    """Within the block, :func:`validate` refuses an override key in ``keys`` that names no key of the recipe.
+
+    Args:
+        keys: dotted keys of the ``key=value`` overrides typed on the command
+            line (``optimizer.lr``), as :func:`torchtune_ext.launch.check_command_line` returns them.
+    """
+    global _command_line_keys
+    outer, _command_line_keys = _command_line_keys, tuple(keys)
+    try:
+        yield
+    finally:
+        _command_line_keys = outer
+
+
+def _check_command_line_keys(schema: Dict[str, Key]) -> None:
+    for key in _command_line_keys:
+        top = key.split(".")[0].split("[")[0]
+        if top in schema:
+            continue  # a component's arguments are checked against its signature (torchtune_ext.preflight)
+        readers = [name for name, keys in (("distributed", DISTRIBUTED_KEYS), ("LoRA", LORA_KEYS)) if top in keys]
+        hint = _closest(top, schema) or (f" (only the {readers[0]} recipes read it)" if readers else "")
+        raise ConfigError(key, f"typed on the command line, but this recipe has no key '{top}', so the value "
+                          f"would be ignored{'.' if hint.startswith(' Did') else ''}{hint}")
+
+
+def ignored_keys(cfg: DictConfig, extra_keys: Optional[Dict[str, Key]] = None) -> Tuple[str, ...]:
+    """The top-level keys of ``cfg`` that the recipe does not read (those :func:`validate` warns about)."""
+    schema = {**COMMON_KEYS, **(extra_keys or {})}
+    return tuple(key for key in cfg.keys() if key not in schema)
+
+
+def remind_ignored_keys(cfg: DictConfig, extra_keys: Optional[Dict[str, Key]] = None) -> None:
+    """At the end of a run, say once more (rank 0, a warning) which config keys were ignored, if any.
+
+    The warnings of :func:`validate` come first thing, where the lines of
+    the run push them out of sight; a key a user meant to set (misspelt in
+    the YAML file) is worth a second look.
+
+    Args:
+        cfg: the config as :func:`validate` returned it.
+        extra_keys: the recipe's keys beyond :data:`COMMON_KEYS`, as given to ``validate``.
+    """
+    ignored = ignored_keys(cfg, extra_keys)
+    if ignored and _rank() == 0:
+        log.warning("Config keys this recipe ignored (not read, as said at the start): %s", ", ".join(ignored))
+
+
 def _closest(key: str, known: Iterable[str]) -> str:
     known = list(known)
     if _OTHER_NAMES.get(key) in known:
@@ -720,9 +775,12 @@ def validate(cfg: DictConfig, extra_keys: Optional[Dict[str, Key]] = None,
         DictConfig: a new config with every known key present.
 
     Raises:
-        ConfigError: the first problem found, naming its key.
+        ConfigError: the first problem found, naming its key; also a key typed
+            on the command line that the recipe does not have (see
+            :func:`command_line_keys`), where one in the YAML file is a warning.
     """
     schema = {**COMMON_KEYS, **(extra_keys or {})}
+    _check_command_line_keys(schema)
     cfg = cfg.copy()
     for key in list(cfg.keys()):
         if key not in schema:
@@ -761,38 +819,95 @@ def validate(cfg: DictConfig, extra_keys: Optional[Dict[str, Key]] = None,
     return cfg
 
 
+@dataclass
+class _Rollback:
+    """What a rollback block may remove: set when this process's run takes the folder's lock inside it."""
+
+    before: Optional[set] = None  # what the folder held when the run took it; None: not taken (yet)
+    created_folder: bool = False
+    created_files: Tuple[str, ...] = ()
+    refused: bool = False
+
+
+# The rollback blocks open in this process, by absolute output_dir (torchtune_ext.run_lock reports to them).
+_ROLLBACKS: Dict[str, _Rollback] = {}
+
+
+def output_dir_taken(path: str, created_folder: bool = False, created_files: Tuple[str, ...] = ()) -> None:
+    """This run (its rank 0) has just taken the lock of ``path``: what the folder holds now is not its to remove.
+
+    Called by :class:`torchtune_ext.run_lock.OutputDirLock` on every rank of
+    the job that holds the folder. ``created_folder`` / ``created_files``
+    (relative to ``path``): what taking the lock created, which this run
+    removes if its setup fails. No effect outside
+    :func:`output_dir_unchanged_on_error`.
+    """
+    state = _ROLLBACKS.get(os.path.abspath(path))
+    if state is not None:
+        state.before = _tree(path) if os.path.isdir(path) else set()
+        state.created_folder, state.created_files = created_folder, tuple(created_files)
+
+
+def output_dir_refused(path: str) -> None:
+    """Another run holds ``path``: the rollback of this run's setup touches nothing in it."""
+    state = _ROLLBACKS.get(os.path.abspath(path))
+    if state is not None:
+        state.refused = True
+
+
 @contextlib.contextmanager
 def output_dir_unchanged_on_error(path: str) -> Iterator[None]:
-    """Undo what setup created in ``output_dir`` if setup fails.
+    """Undo what this run's setup created in ``output_dir`` if setup fails.
 
     On any exception inside the block (bad input, or a crash while loading),
-    files and folders under ``path`` that did not exist before are removed,
-    at any depth (and ``path`` itself, if it was created): the staging folder
-    the checkpointer creates, a new ``logs/``, and on a resume the new
-    ``logs/config_<N>.yaml`` and W&B run segment. A W&B run started in the
-    block is finished first (as failed, without its summary), so that W&B
-    neither writes into nor names a removed folder. Entries that existed
-    before are never touched. Use it around a recipe's ``setup()`` only:
-    training writes are never rolled back.
+    what appeared in ``path`` after this run took the folder's lock
+    (:class:`torchtune_ext.run_lock.OutputDirLock`, the first thing setup
+    writes) is removed, at any depth, and so are the lock file and ``path``
+    itself if taking the lock created them: the staging folder the
+    checkpointer creates, a new ``logs/``, and on a resume the new
+    ``logs/config_<N>.yaml`` and W&B run segment. What was there when the lock
+    was taken is another run's or the user's, and stays: two runs started
+    together in one folder both enter this block before either has created
+    anything, and the one refused the lock removes nothing at all. A setup
+    that failed before taking the lock has written nothing, and nothing is
+    removed. A W&B run started in the block is finished first (as failed,
+    without its summary), so that W&B neither writes into nor names a removed
+    folder. Use it around a recipe's ``setup()`` only: training writes are
+    never rolled back.
     """
-    existed = os.path.isdir(path)
-    before = _tree(path) if existed else set()
+    key = os.path.abspath(path)
+    state, outer = _Rollback(), _ROLLBACKS.get(key)
+    _ROLLBACKS[key] = state
     try:
         yield
     except BaseException as err:
         from torchtune_ext.launch import EXIT_USER_ERROR, finish_wandb
 
         finish_wandb(EXIT_USER_ERROR if isinstance(err, UserError) else 1, quiet=True)  # the run's own status
-        if not existed:
-            shutil.rmtree(path, ignore_errors=True)
-        elif os.path.isdir(path):
-            for name in sorted(_tree(path) - before):  # a folder sorts before what it holds
-                target = os.path.join(path, name)
-                if os.path.isdir(target) and not os.path.islink(target):
-                    shutil.rmtree(target, ignore_errors=True)
-                elif os.path.lexists(target):  # not inside a folder removed just before
-                    os.remove(target)
+        if state.before is not None and not state.refused:
+            _remove_new_entries(path, state)
         raise
+    finally:
+        if outer is None:
+            del _ROLLBACKS[key]
+        else:
+            _ROLLBACKS[key] = outer
+
+
+def _remove_new_entries(path: str, state: _Rollback) -> None:
+    # Other ranks of the job on the same host remove the same entries at the same time: a missing one is fine
+    if state.created_folder:
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    if not os.path.isdir(path):
+        return
+    for name in sorted((_tree(path) - state.before) | set(state.created_files)):  # a folder before its content
+        target = os.path.join(path, name)
+        if os.path.isdir(target) and not os.path.islink(target):
+            shutil.rmtree(target, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):  # inside a folder removed just before
+                os.remove(target)
 
 
 def _tree(path: str) -> set:

@@ -20,6 +20,15 @@ Exit statuses of the recipes:
   was saved; continue with ``resume_from_checkpoint=true``
   (:mod:`torchtune_ext.preemption`).
 
+Under ``tune run --nproc_per_node N``, a worker killed by a signal (the OOM
+killer's or a user's SIGKILL) ends the job: the other workers end without a
+traceback, and the launcher prints one line naming the rank, the signal, the
+newest complete checkpoint and the command that continues the run, and exits
+with 128 + the signal number (137 for SIGKILL): the status a single-process
+run killed by that signal has, and the one a second SIGTERM gives. A job whose
+workers lost their connection to each other with none of them killed exits 1,
+with such a line too.
+
 Anything else is a bug or a crash and keeps its traceback.
 
 The recipes' ``recipe_main`` is wrapped as::
@@ -43,13 +52,23 @@ report, printing the failing rank's line only when rank 0 did not print it.
 ``torchtune_ext._local_recipes`` installs that wrapper when the ``tune``
 command imports ``torchtune._cli.run``.
 
+The workers end with their launcher, however it ends (:func:`end_with_launcher`,
+Linux): torchrun starts each in a session of its own, so a launcher killed
+with SIGKILL would otherwise leave them training as orphans, holding the
+output folder. A checkpoint being written then is cut short in its staging
+folder, never listed, so the newest complete one is where a resume starts.
+
 Module level imports stay in the standard library: the launcher imports this
 module at start-up.
 """
 
+import ctypes
 import functools
 import json
 import os
+import re
+import shlex
+import signal
 import sys
 import time
 from typing import Any, Callable, List, Optional
@@ -66,6 +85,15 @@ REPORTED_EXIT_CODES = (EXIT_USER_ERROR, EXIT_TRAINING_FAILED, EXIT_IO_ERROR, EXI
 # signal reached it too and torchrun's agent ended with its own SignalException, which carries no
 # worker status: a stop (75), and also a stop whose save failed (74).
 OUTCOME_FILE_ENV = "TORCHTUNE_EXT_OUTCOME_FILE"
+# Set by the launcher for its workers: its pid; a worker ends when that process does (end_with_launcher).
+LAUNCHER_PID_ENV = "TORCHTUNE_EXT_LAUNCHER_PID"
+# What torchrun's launcher sends the workers still running once one has failed, instead of torchrun's SIGTERM:
+# SIGTERM asks a worker to save a checkpoint and stop (torchtune_ext.preemption), which it cannot do with a rank
+# gone, and it would say so first. No worker handles this one: its default action ends the worker at once, and
+# the launcher tells such an end (a consequence) from the failure that caused it.
+STOP_OTHERS_SIGNAL = signal.SIGRTMIN
+# How a worker's error line starts when it lost the connection to another rank (also a consequence)
+LOST_PEER = "error: lost the connection to another rank"
 
 
 def _config_paths(argv: List[str]) -> List[str]:
@@ -79,12 +107,15 @@ def _config_paths(argv: List[str]) -> List[str]:
     return paths
 
 
-def check_command_line(argv: List[str]) -> None:
+def check_command_line(argv: List[str]) -> List[str]:
     """Check a recipe's command line the way torchtune's ``config.parse`` will read it.
 
     Args:
         argv: the arguments after the program name: ``--config <file>`` and
             ``key=value`` / ``~key`` overrides.
+
+    Returns:
+        the keys of the ``key=value`` overrides, in order (``optimizer.lr``).
 
     Raises:
         UserError: the config file is missing, not YAML (with line and
@@ -101,7 +132,7 @@ def check_command_line(argv: List[str]) -> None:
 
     paths = _config_paths(argv)
     if not paths:
-        return  # torchtune's parser says that --config is required
+        return []  # torchtune's parser says that --config is required
     if len(set(paths)) > 1:  # a user may expect the files to be merged; argparse keeps the last one only
         raise UserError(f"--config is given {len(paths)} times ({', '.join(repr(p) for p in paths)}): only one "
                         f"file is read, not a merge; give one --config and key=value overrides")
@@ -128,7 +159,7 @@ def check_command_line(argv: List[str]) -> None:
     if not isinstance(loaded, DictConfig):
         raise UserError(f"--config '{path}' must hold a mapping of config keys, not a list")
 
-    skip = False
+    skip, keys = False, []
     for i, arg in enumerate(argv):
         if skip or arg == "--config" or arg.startswith("--config="):
             skip = arg == "--config"
@@ -147,6 +178,8 @@ def check_command_line(argv: List[str]) -> None:
         if arg.count("=") != 1 or not arg.split("=")[0]:
             raise UserError(f"command line '{arg}': expected key=value" +
                             (" (torchtune's parser does not accept '=' inside a value)" if arg.count("=") > 1 else ""))
+        keys.append(arg.split("=")[0])
+    return keys
 
 
 _ABSENT = object()
@@ -208,6 +241,30 @@ def record_outcome(status: int) -> None:
             pass
 
 
+def record_output_dir(path: str) -> None:
+    """Once the job holds ``path`` (:class:`torchtune_ext.run_lock.OutputDirLock`): tell this node's launcher.
+
+    If a worker dies, the launcher's line names the newest complete
+    checkpoint in it. The first worker of each node writes it (every node's
+    launcher prints a line); nothing is done outside ``tune run --nproc_per_node``.
+    """
+    outcome = os.environ.get(OUTCOME_FILE_ENV)
+    if outcome and int(os.environ.get("LOCAL_RANK", "0") or 0) == 0:
+        try:
+            with open(outcome + ".output_dir", "w") as f:
+                f.write(os.path.abspath(path))
+        except OSError:  # the launcher's line then names no checkpoint
+            pass
+
+
+def _recorded_output_dir(outcome_file: str) -> Optional[str]:
+    try:
+        with open(outcome_file + ".output_dir") as f:
+            return f.read() or None
+    except OSError:
+        return None
+
+
 def _recorded_outcome(path: str) -> Optional[int]:
     try:
         with open(path) as f:
@@ -250,8 +307,8 @@ def run_main(recipe_main: Callable[[], Any]) -> None:
     with torch loaded), it is ignored.
     """
     import atexit
-    import signal
 
+    end_with_launcher()
     decided: List[int] = []
 
     def ignore_late_signals() -> None:  # registered first, so it runs after the exit hooks registered later
@@ -276,12 +333,97 @@ def run_main(recipe_main: Callable[[], Any]) -> None:
     sys.exit(status)
 
 
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def end_with_launcher() -> None:
+    """A worker of ``tune run --nproc_per_node N``: end (SIGKILL) when the launcher does, however it ends.
+
+    Linux's ``PR_SET_PDEATHSIG`` sends the signal when the thread that
+    started this process ends; torchrun's agent starts its workers from the
+    launcher's main thread, which ends only with the launcher. A launcher
+    already gone by now (this runs after the recipe's imports) is seen as a
+    parent other than the launcher, whose pid it gave in
+    :data:`LAUNCHER_PID_ENV`. Elsewhere, or outside torchrun, nothing is done.
+    """
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    if not launcher or os.environ.get("LOCAL_RANK") is None or not sys.platform.startswith("linux"):
+        return
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return
+    if prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+        return
+    if os.getppid() != int(launcher) and not _running(int(launcher)):
+        os._exit(128 + signal.SIGKILL)  # as if the signal had come: the launcher ended before it could
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process by now
+        return True
+    return True
+
+
+# gloo's words when a peer's connection ends (NCCL's: ncclRemoteError): the peer died or cannot be reached
+_LOST_PEER_WORDS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "ncclRemoteError")
+
+
+def _lost_peer(err: BaseException) -> Optional[str]:
+    """gloo's (or NCCL's) short description of a lost connection to another rank in ``err`` or its causes."""
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) < 2:
+        return None
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        text = str(err)
+        if isinstance(err, RuntimeError) and any(word in text for word in _LOST_PEER_WORDS):
+            # "[.../gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:1234: Connection reset by peer. This is..."
+            return re.sub(r"^\[[^\]]*\]\s*", "", text).split(". ")[0].strip()
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def _exit_lost_peer(detail: str) -> None:
+    """A worker whose connection to another rank was lost: end quietly; the launcher says what happened.
+
+    Under ``tune run`` the launcher names the rank that ended and the
+    checkpoint to resume from; a worker knows neither, so it prints nothing
+    there (rank 0 prints its line under plain torchrun) and leaves the line
+    in its error file. It ends as torchrun's launcher ends the workers left
+    once one has failed (:data:`STOP_OTHERS_SIGNAL`), which is what it is: a
+    consequence, not the cause. Nothing is recorded as the run's outcome:
+    that would stand in for the launcher's own line.
+    """
+    message = f"{LOST_PEER} ({detail}): another rank has ended or cannot be reached"
+    finish_wandb(1, quiet=True)
+    if _rank() == 0 and not os.environ.get(LAUNCHER_PID_ENV):
+        write_line(message)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        try:
+            with open(error_file, "w") as f:
+                json.dump({"message": message, "timestamp": int(time.time())}, f)
+        except OSError:
+            pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    signal.signal(STOP_OTHERS_SIGNAL, signal.SIG_DFL)
+    os.kill(os.getpid(), STOP_OTHERS_SIGNAL)  # no teardown: it could wait on the lost rank
+
+
 def exit_on_user_error(recipe_main: Callable[..., Any]) -> Callable[..., Any]:
     """Run a recipe's entry point; expected errors end it with one line and an exit status.
 
     Wrap torchtune's ``config.parse``-decorated ``recipe_main`` (see the
     module docstring): called without arguments, the command line is checked
-    first (:func:`check_command_line`).
+    first (:func:`check_command_line`), and its override keys are given to
+    :func:`torchtune_ext.config.validate`, which refuses one that names no key
+    of the recipe (:func:`torchtune_ext.config.command_line_keys`).
 
     * :class:`torchtune_ext.config.UserError` (``ConfigError`` included):
       ``error: <message>``, exit status 2.
@@ -289,23 +431,30 @@ def exit_on_user_error(recipe_main: Callable[..., Any]) -> Callable[..., Any]:
       stopped: <message>``, exit status 3.
     * :class:`torchtune_ext.checkpoint.CheckpointSaveError`: ``error:
       <message>``, exit status 74.
+    * under torchrun, a lost connection to another rank (that rank died):
+      quietly, as torchrun ends the other workers (:func:`_exit_lost_peer`).
     """
     from torchtune_ext.checkpoint import CheckpointSaveError
-    from torchtune_ext.config import UserError
+    from torchtune_ext.config import UserError, command_line_keys
     from torchtune_ext.health import TrainingHealthError
 
     @functools.wraps(recipe_main)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
-            if not args and not kwargs:
-                check_command_line(sys.argv[1:])
-            return recipe_main(*args, **kwargs)
+            typed = check_command_line(sys.argv[1:]) if not args and not kwargs else []
+            with command_line_keys(typed):
+                return recipe_main(*args, **kwargs)
         except UserError as err:
             report_and_exit(f"error: {err}", EXIT_USER_ERROR)
         except TrainingHealthError as err:
             report_and_exit(f"error: training stopped: {err}", EXIT_TRAINING_FAILED)
         except CheckpointSaveError as err:
             report_and_exit(f"error: {err}", EXIT_IO_ERROR)
+        except Exception as err:
+            detail = _lost_peer(err)
+            if detail is None:
+                raise
+            _exit_lost_peer(detail)
 
     return wrapper
 
@@ -324,8 +473,16 @@ def quiet_reported_failures(run: Callable[..., Any]) -> Callable[..., Any]:
     matters (see :func:`report_and_exit`), and the launcher exits with that
     status instead of raising ``ChildFailedError`` (a traceback and a
     failure report); if rank 0 did not print it, the failing rank's line,
-    read from its error file, is printed. Other failures are reported by
-    torchrun as usual.
+    read from its error file, is printed. When a worker was killed by a
+    signal, or the workers lost their connection to each other, one line says
+    so and names the newest complete checkpoint and the command that
+    continues the run (:func:`_exit_for_lost_rank`). Other failures are
+    reported by torchrun as usual.
+
+    While ``run`` runs, torchrun ends the workers left once one has failed
+    with :data:`STOP_OTHERS_SIGNAL` instead of SIGTERM (a signal the launcher
+    receives is still forwarded as it is), and the workers end with the
+    launcher (:data:`LAUNCHER_PID_ENV`).
     """
     import logging
 
@@ -339,8 +496,17 @@ def quiet_reported_failures(run: Callable[..., Any]) -> Callable[..., Any]:
         from torch.distributed.elastic.multiprocessing.api import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+        from torch.distributed.elastic.multiprocessing import api as elastic_api
+
         outcome_file = os.path.join(tempfile.gettempdir(), f"torchtune_ext_outcome_{os.getpid()}_{time.time_ns()}")
         os.environ[OUTCOME_FILE_ENV] = outcome_file
+        launcher_pid = os.environ.get(LAUNCHER_PID_ENV)
+        os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+        # PContext.close() without a signal, which torchrun calls only when a worker has failed, takes this one
+        # (torch 2.x); if a later torch drops the function, the workers get SIGTERM as before
+        default_signal = getattr(elastic_api, "_get_default_signal", None)
+        if default_signal is not None:
+            elastic_api._get_default_signal = lambda: STOP_OTHERS_SIGNAL
         try:
             return run(*args, **kwargs)
         except SignalException as err:
@@ -348,8 +514,6 @@ def quiet_reported_failures(run: Callable[..., Any]) -> Callable[..., Any]:
             if status is not None:  # rank 0 said how the run ended (a stop, a save that failed, a second signal)
                 sys.exit(status)
             # a signal before any worker said how it ends: torchrun's traceback adds nothing to the shell's status
-            import signal
-
             signum = int(err.sigval)
             print(f"tune run: stopped by {signal.Signals(signum).name} (exit status {128 + signum})", file=sys.stderr,
                   flush=True)
@@ -360,8 +524,10 @@ def quiet_reported_failures(run: Callable[..., Any]) -> Callable[..., Any]:
                 sys.exit(status)
             _, first = err.get_first_failure()
             reported = {r: f for r, f in err.failures.items() if f.exitcode in REPORTED_EXIT_CODES}
+            if not reported:
+                _exit_for_lost_rank(err.failures, _recorded_output_dir(outcome_file))
             if not reported or (first.exitcode >= 0 and first.exitcode not in REPORTED_EXIT_CODES):
-                raise  # a crash (or a signal from outside): torchrun's report is what helps
+                raise  # a crash: torchrun's report is what helps
             rank, failure = min(reported.items(), key=lambda item: (item[1].timestamp, item[0]))
             # Rank 0 prints before it writes its error file; it may have been stopped by torchrun
             # (SIGTERM) after that, while exiting, when another rank exited first.
@@ -374,16 +540,66 @@ def quiet_reported_failures(run: Callable[..., Any]) -> Callable[..., Any]:
             # the launcher's status is decided: torchrun's handler would turn a scheduler's repeated signals
             # into one SignalException traceback each while the launcher exits
             _ignore_signals_while_exiting()
-            if os.path.exists(outcome_file):
-                os.remove(outcome_file)
+            for path in (outcome_file, outcome_file + ".output_dir"):
+                if os.path.exists(path):
+                    os.remove(path)
+            if default_signal is not None:
+                elastic_api._get_default_signal = default_signal
+            if launcher_pid is None:
+                os.environ.pop(LAUNCHER_PID_ENV, None)
+            else:
+                os.environ[LAUNCHER_PID_ENV] = launcher_pid
 
     return wrapper
 
 
+def _is_consequence(failure: Any) -> bool:
+    """A worker ended by torchrun because another one failed, or one that lost its connection to another."""
+    return failure.exitcode in (-signal.SIGTERM, -STOP_OTHERS_SIGNAL) or (
+        isinstance(failure.message, str) and failure.message.startswith(LOST_PEER))
+
+
+def _exit_for_lost_rank(failures: dict, output_dir: Optional[str]) -> None:
+    """Exit with one line if a worker was killed by a signal, or the workers lost each other; else return.
+
+    ``failures``: torchrun's ``{rank: ProcessFailure}``; ``output_dir``: the
+    folder the job held (:func:`record_output_dir`), None if it never did.
+    A worker killed by signal N: exit 128 + N. Only lost connections (no
+    worker killed, none crashed): exit 1. The line names the newest complete
+    checkpoint in ``output_dir`` and the command that continues the run.
+    """
+    killed = {r: f for r, f in failures.items() if f.exitcode < 0 and not _is_consequence(f)}
+    crashed = [f for f in failures.values() if f.exitcode >= 0 and not _is_consequence(f)]
+    lost = [f for f in failures.values() if isinstance(f.message, str) and f.message.startswith(LOST_PEER)]
+    if killed:
+        rank, failure = min(killed.items(), key=lambda item: (item[1].timestamp, item[0]))
+        signum = -failure.exitcode
+        name = signal.Signals(signum).name if signum in signal.valid_signals() else f"signal {signum}"
+        what, status = f"rank {rank} (pid {failure.pid}) was killed by {name}", 128 + signum
+    elif lost and not crashed:
+        detail = lost[0].message[len(LOST_PEER):].split("):")[0].strip(" (")
+        what, status = f"the ranks lost their connection to each other ({detail})", 1
+    else:
+        return
+    if output_dir is None:
+        where = "it stopped before it held its output_dir: start it again with the same command"
+    else:
+        from torchtune_ext.preemption import where_to_continue  # torch: imported by torchrun's launcher already
+
+        where = where_to_continue(output_dir, _launcher_resume_command())
+    # on a line of its own: rank 0's progress bar, cut short, leaves the cursor at its end
+    print(f"\nerror: {what}, and the job stopped; {where}  (exit status {status})", file=sys.stderr, flush=True)
+    sys.exit(status)
+
+
+def _launcher_resume_command() -> str:
+    """The launcher's own command line (``tune run --nproc_per_node N ...``) with ``resume_from_checkpoint=true``."""
+    args = [arg for arg in sys.argv[1:] if not arg.startswith("resume_from_checkpoint=")]
+    return shlex.join(["tune", *args, "resume_from_checkpoint=true"])
+
+
 def _ignore_signals_while_exiting() -> None:
     """The exit status is decided: a SIGTERM or SIGINT from now on (a scheduler's repeats) changes nothing."""
-    import signal
-
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, signal.SIG_IGN)
 
@@ -393,11 +609,16 @@ def _is_report(message: Any) -> bool:
 
 
 def _drop_reported_failure_log(record: Any) -> bool:
-    """torchrun logs ``failed (exitcode: N) local_rank: ...`` before raising; the worker said it already.
-    Nor, once rank 0 has recorded how the run ended, ``Sending process N closing signal SIGTERM`` as it
-    ends the other workers, or ``Received 15 death signal`` (a signal during the cleanup of a finished run):
-    those would follow the line that should be the last."""
+    """torchrun logs ``failed (exitcode: N) local_rank: ...`` before raising; the worker said it already
+    (N of :data:`REPORTED_EXIT_CODES`), or the launcher's line will (a signal, N < 0). Nor, once rank 0 has
+    recorded how the run ended, ``Sending process N closing signal SIGTERM`` as it ends the other workers, or
+    ``Received 15 death signal`` (a signal during the cleanup of a finished run): those would follow the line
+    that should be the last; nor ever ``Sending process N closing signal`` with :data:`STOP_OTHERS_SIGNAL`,
+    which only says that a worker failed, as the line or report that follows does."""
     args = record.args if isinstance(record.args, tuple) else ()
+    if str(record.msg).startswith("Sending process") and len(args) > 1 and str(args[1]) == STOP_OTHERS_SIGNAL.name:
+        return False
     if str(record.msg).startswith(("Sending process", "Received")):
         return _recorded_outcome(os.environ.get(OUTCOME_FILE_ENV, "")) is None
-    return not (str(record.msg).startswith("failed (exitcode") and args and args[0] in REPORTED_EXIT_CODES)
+    failed = str(record.msg).startswith("failed (exitcode") and args and isinstance(args[0], int)
+    return not (failed and (args[0] in REPORTED_EXIT_CODES or args[0] < 0))

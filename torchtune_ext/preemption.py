@@ -74,6 +74,18 @@ def resume_command(argv: Optional[list] = None) -> str:
     return shlex.join(launcher + [recipe] + args + ["resume_from_checkpoint=true"])
 
 
+def where_to_continue(output_dir: str, command: str) -> str:
+    """After a run ended without saving: its newest complete checkpoint and ``command``, the one that continues it.
+
+    A save cut short by that end is never listed: only complete checkpoints
+    are (:func:`torchtune_ext.checkpoint.latest_checkpoint`).
+    """
+    checkpoint = latest_checkpoint(output_dir)
+    if checkpoint is None:
+        return "no checkpoint was saved yet: start again with the same command"
+    return f"the last complete checkpoint is intact: {checkpoint}. Continue with: {command}"
+
+
 class GracefulStop:
     """Turns SIGTERM / SIGINT into a stop at the next optimizer-step boundary.
 
@@ -120,11 +132,7 @@ class GracefulStop:
     def _where_to_continue(self) -> str:
         if self._output_dir is None:
             return "the last complete checkpoint is intact"
-        # a save cut short by this exit is never listed: only complete checkpoints are
-        checkpoint = latest_checkpoint(self._output_dir)
-        if checkpoint is None:
-            return "no checkpoint was saved yet: start again with the same command"
-        return f"the last complete checkpoint is intact: {checkpoint}. Continue with: {resume_command()}"
+        return where_to_continue(self._output_dir, resume_command())
 
     def requested(self) -> bool:
         """Whether to stop now; every rank gets the same answer (collective: call on all ranks)."""

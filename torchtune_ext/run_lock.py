@@ -8,8 +8,19 @@ anything, with one line naming the folder and the holder (pid, host, start
 time) read from the lock file. The operating system releases the lock when
 the holding process ends, however it ends (crash, ``kill -9``, power loss of
 a node holding an NFS lock once its lease expires), so no stale lock can
-block a resume. The file itself stays (deleting it would let two runs lock
-two different files of the same name).
+block a resume. The file stays while the run lives; only a run whose setup
+fails removes it again, with the folder, if that run created them
+(:func:`torchtune_ext.config.output_dir_unchanged_on_error`). A run waiting
+for the lock at that moment would then hold a lock on a removed file, and a
+later run could lock a new file of the same name beside it: so a lock counts
+only once the file locked is still the one at the path, and is taken again
+otherwise.
+
+A run refused the lock has created nothing that it may remove: the folder
+and the lock file belong to the holder. The lock tells the rollback of setup
+what this run may remove (:func:`torchtune_ext.config.output_dir_taken`):
+what appears in the folder after this run took it, plus the folder and the
+lock file if it created them.
 
 Under torchrun the ranks of one job are one run: rank 0 takes the lock, and
 every rank learns the outcome. ``flock`` works on local filesystems and on
@@ -27,7 +38,8 @@ from typing import IO, Any, Dict, Optional
 
 import torch.distributed as dist
 
-from torchtune_ext.config import ConfigError
+from torchtune_ext.config import ConfigError, output_dir_refused, output_dir_taken
+from torchtune_ext.launch import record_output_dir
 
 LOCK_FILE = ".run.lock"
 # An exclusive lock can briefly fail while another rank of the same job probes
@@ -110,6 +122,7 @@ class OutputDirLock:
 
     def __init__(self, output_dir: str, rank: int = 0):
         self._file: Optional[IO[str]] = None
+        self._created_folder = self._created_file = False
         who = None
         if rank == 0:
             who = self._acquire(Path(output_dir))
@@ -118,22 +131,34 @@ class OutputDirLock:
             dist.broadcast_object_list(box, src=0)
             who = box[0]
         if who is not None:
+            output_dir_refused(output_dir)
             raise _in_use(output_dir, who)
+        output_dir_taken(output_dir, created_folder=self._created_folder,
+                         created_files=(LOCK_FILE,) if self._created_file else ())
+        record_output_dir(output_dir)  # torchrun's launcher names its newest checkpoint if a worker dies
 
     def _acquire(self, folder: Path) -> Optional[str]:
-        folder.mkdir(parents=True, exist_ok=True)
-        f = open(folder / LOCK_FILE, "a+")
         deadline = time.monotonic() + _ACQUIRE_RETRY_S
+        path = folder / LOCK_FILE
         while True:
+            self._created_folder |= _make_folder(folder)
+            try:
+                f, self._created_file = _open_lock_file(path)
+            except FileNotFoundError:  # removed between the two opens: by a holder's rollback
+                continue
             try:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
             except BlockingIOError:
                 if time.monotonic() > deadline:
                     info = _read_info(f)
                     f.close()
                     return _describe(info)
                 time.sleep(0.05)
+                f.close()  # open it again: the holder may remove it while this run waits
+                continue
+            if _is_at(f, path):
+                break
+            f.close()  # the holder's rollback removed it while this run waited: lock the file now there
         f.seek(0)
         f.truncate()
         f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
@@ -148,3 +173,33 @@ class OutputDirLock:
             fcntl.flock(self._file, fcntl.LOCK_UN)
             self._file.close()
             self._file = None
+
+
+def _make_folder(folder: Path) -> bool:
+    """Create ``folder`` (and its parents) if absent; whether this call created ``folder`` itself."""
+    if folder.is_dir():
+        return False
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir()
+    except FileExistsError:  # another run made it a moment ago
+        return False
+    return True
+
+
+def _open_lock_file(path: Path):
+    """The lock file opened for reading and writing, and whether this call created it."""
+    try:
+        return os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), "r+"), True
+    except FileExistsError:
+        return open(path, "r+"), False
+
+
+def _is_at(f: IO[str], path: Path) -> bool:
+    """Whether the open file ``f`` is still the file at ``path`` (not removed or replaced since it was opened)."""
+    try:
+        now = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(f.fileno())
+    return (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino)

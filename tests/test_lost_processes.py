@@ -1,0 +1,256 @@
+"""A process of a ``tune run --nproc_per_node 2`` job dies however it dies (SIGKILL): the rest of the job ends.
+
+Issue 33: with the launcher killed, its workers trained on as orphans (and held the output folder); with one
+worker killed, the job ended with ~100 lines of gloo and torchrun tracebacks and never named the checkpoint
+to resume from. The launcher's classification of failures is tested without processes at the end.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import textwrap
+import time
+
+import pytest
+from omegaconf import OmegaConf
+
+import resume_jobs
+from helpers import REPO_ROOT
+from torchtune_ext.checkpoint import incomplete_checkpoints, list_checkpoints, verify_checkpoint
+from torchtune_ext.launch import OUTCOME_FILE_ENV, STOP_OTHERS_SIGNAL
+from torchtune_ext.run_lock import holder
+
+RECIPE = "recipes/full_finetune_distributed.py"
+
+
+@pytest.fixture(scope="module")
+def setup_yaml(tmp_path_factory):
+    return resume_jobs.setup(tmp_path_factory.mktemp("tiny"))
+
+
+def start_job(setup_yaml, root, stderr):
+    """A 2-process job that trains until stopped, saving every 2 steps; returns (launcher, config, out)."""
+    out = root / "out"
+    config = root / "run.yaml"
+    OmegaConf.save(resume_jobs.config(setup_yaml, "full_dist", out, "epochs=2000", "save_every_n_steps=2",
+                                      "keep_last_n_checkpoints=null"), config)
+    launcher = subprocess.Popen(["tune", "run", "--nproc_per_node", "2", RECIPE, "--config", str(config)],
+                                cwd=REPO_ROOT, env=resume_jobs.subprocess_env(), stdout=subprocess.DEVNULL,
+                                stderr=stderr, text=True)
+    return launcher, config, out
+
+
+def wait_for_steps(launcher, out, n, timeout=300):
+    metrics = out / "logs" / "metrics.jsonl"
+    deadline = time.time() + timeout
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= n):
+        assert launcher.poll() is None and time.time() < deadline
+        time.sleep(0.05)
+
+
+def workers_of(pid):
+    """{rank: pid} of the worker processes whose parent is ``pid``."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent == pid and b"RANK" in env:
+            found[int(env[b"RANK"])] = int(entry)
+    return found
+
+
+def alive(pid):
+    """Whether ``pid`` runs (a zombie waiting for its new parent to reap it has ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def assert_checkpoints_whole(out):
+    assert incomplete_checkpoints(str(out)) == []  # a save cut short stays in .staging, never a step_<N>
+    checkpoints = list_checkpoints(str(out))
+    assert checkpoints
+    for checkpoint in checkpoints:
+        verify_checkpoint(checkpoint)
+    return checkpoints[-1]
+
+
+def test_workers_end_when_their_launcher_is_killed(setup_yaml, tmp_path):
+    """Issue 33 F2: SIGKILL of the launcher left its workers training as orphans, saving unseen checkpoints,
+    and a resume was refused as 'in use'. They end within seconds; every checkpoint is whole; the folder is
+    free."""
+    launcher, _, out = start_job(setup_yaml, tmp_path, subprocess.DEVNULL)
+    try:
+        wait_for_steps(launcher, out, 3)
+        workers = workers_of(launcher.pid)
+        assert sorted(workers) == [0, 1]
+    finally:
+        launcher.kill()
+        launcher.wait()
+    deadline = time.time() + 5
+    while any(alive(pid) for pid in workers.values()):
+        assert time.time() < deadline, f"workers still running: {workers}"
+        time.sleep(0.05)
+    assert_checkpoints_whole(out)
+    assert holder(str(out)) is None  # a resume can start at once
+
+
+@pytest.mark.parametrize("rank", [1])
+def test_a_killed_worker_ends_the_job_with_one_line_naming_the_checkpoint(setup_yaml, tmp_path, rank):
+    """Issue 33 F10: SIGKILL of one worker. The other worker and the launcher end without a traceback; the
+    launcher's one line names the rank, the signal, the newest complete checkpoint and the command that
+    continues the run, and it exits 128 + 9, the status of a single-process run killed the same way."""
+    log = tmp_path / "stderr.txt"
+    with open(log, "w") as stderr:
+        launcher, config, out = start_job(setup_yaml, tmp_path, stderr)
+        try:
+            wait_for_steps(launcher, out, 5)
+            workers = workers_of(launcher.pid)
+            printed = log.stat().st_size
+            os.kill(workers[rank], signal.SIGKILL)
+            assert launcher.wait(timeout=120) == 128 + signal.SIGKILL
+        finally:
+            if launcher.poll() is None:
+                launcher.kill()
+                launcher.wait()
+    assert not any(alive(pid) for pid in workers.values())
+    text = log.read_text()
+    assert "Traceback" not in text and "ChildFailedError" not in text, text[-3000:]
+    after = text[printed:].strip().split("\n")  # what was printed once the worker was killed
+    assert len(after) <= 2, after  # at most the rest of the progress bar's line, then the line
+    checkpoint = assert_checkpoints_whole(out)
+    assert after[-1] == (
+        f"error: rank {rank} (pid {workers[rank]}) was killed by SIGKILL, and the job stopped; the last complete "
+        f"checkpoint is intact: {checkpoint}. Continue with: tune run --nproc_per_node 2 {RECIPE} --config {config} "
+        f"resume_from_checkpoint=true  (exit status 137)")
+    assert holder(str(out)) is None
+
+
+# ------------------------------------------------------------ the launcher's part
+def failure(tmp_path, rank, exitcode, message=None):
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    error_file = tmp_path / f"error_{rank}.json"
+    if message is not None:
+        error_file.write_text(json.dumps({"message": message, "timestamp": 100}))
+    return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file=str(error_file))
+
+
+LOST = ("error: lost the connection to another rank (Read error [127.0.0.1]:1234: Connection reset by peer): another "
+        "rank has ended or cannot be reached")
+STOPPED = -int(STOP_OTHERS_SIGNAL)  # how torchrun ended the workers still running
+
+
+@pytest.mark.parametrize("failures,status,line", [
+    ({0: (LOST, STOPPED), 1: (None, -9)}, 137, "rank 1 (pid 1001) was killed by SIGKILL, and the job stopped; "),
+    ({0: (None, -9), 1: (None, STOPPED)}, 137, "rank 0 (pid 1000) was killed by SIGKILL, and the job stopped; "),
+    ({0: (None, -15), 1: (None, -6)}, 134, "rank 1 (pid 1001) was killed by SIGABRT, and the job stopped; "),
+    ({0: (LOST, STOPPED), 1: (LOST, STOPPED)}, 1, "the ranks lost their connection to each other (Read error "
+                                                  "[127.0.0.1]:1234: Connection reset by peer), and the job stopped; "),
+    ({0: (None, 1), 1: (None, STOPPED)}, None, None),  # a crash with its traceback: torchrun's report
+    ({0: (None, 1), 1: (LOST, STOPPED)}, None, None),
+], ids=["other-rank-killed", "rank0-killed", "aborted", "connection-lost", "crash", "crash-then-lost"])
+def test_the_launcher_names_the_lost_rank_and_the_checkpoint(tmp_path, capsys, monkeypatch, launcher_signal_handlers,
+                                                             failures, status, line):
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from torchtune_ext import launch
+
+    out = tmp_path / "out"
+    (out / "step_4").mkdir(parents=True)
+    (out / "step_4" / "checkpoint.json").write_text("{}")
+    monkeypatch.setenv(OUTCOME_FILE_ENV, "")  # restored afterwards: the launcher sets it for its workers
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr("sys.argv", ["/venv/bin/tune", "run", "--nproc_per_node", "2", RECIPE, "--config", "my.yaml"])
+    error = ChildFailedError("recipe", {r: failure(tmp_path, r, code, msg) for r, (msg, code) in failures.items()})
+
+    def run(args):
+        launch.record_output_dir(str(out))  # what rank 0 does once its job holds the folder
+        raise error
+
+    if status is None:
+        with pytest.raises(ChildFailedError):
+            launch.quiet_reported_failures(run)(None)
+        assert capsys.readouterr().err == ""
+        return
+    with pytest.raises(SystemExit) as exit_info:
+        launch.quiet_reported_failures(run)(None)
+    assert exit_info.value.code == status
+    assert capsys.readouterr().err == (  # on a new line: a worker's progress bar may have been cut short
+        f"\nerror: {line}the last complete checkpoint is intact: {out / 'step_4'}. Continue with: tune run "
+        f"--nproc_per_node 2 {RECIPE} --config my.yaml resume_from_checkpoint=true  (exit status {status})\n")
+
+
+@pytest.fixture
+def launcher_signal_handlers():
+    """The launcher's wrapper ignores SIGTERM / SIGINT once its status is decided: put pytest's back afterwards."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for s, handler in saved.items():
+        signal.signal(s, handler)
+
+
+LOSES_A_PEER = textwrap.dedent("""
+    import sys
+    from torchtune_ext.launch import exit_on_user_error
+
+    @exit_on_user_error
+    def recipe_main(cfg):
+        raise RuntimeError(sys.argv[1])
+
+    recipe_main(None)  # an argument: no command line to check
+""")
+GLOO = ("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:13231: Connection reset "
+        "by peer. This is typically caused by a remote worker hanging or bugs in the application.")
+
+
+@pytest.mark.parametrize("launcher", [True, False], ids=["tune-run", "plain-torchrun"])
+def test_a_worker_that_loses_a_peer_ends_quietly_as_a_consequence(tmp_path, launcher):
+    """gloo's error often reaches a survivor before torchrun's stop signal does: no traceback; the line goes to
+    the error file for the launcher (printed by rank 0 only without our launcher), and the worker ends as
+    torchrun ends the others, which tells the launcher that it is not the cause. Other errors keep their
+    traceback."""
+    import sys
+
+    from torchtune_ext.launch import LAUNCHER_PID_ENV, LOST_PEER
+
+    error_file = tmp_path / "error.json"
+    env = {k: v for k, v in os.environ.items() if k not in (LAUNCHER_PID_ENV, OUTCOME_FILE_ENV)}
+    env.update(PYTHONPATH=str(REPO_ROOT), RANK="0", WORLD_SIZE="2", TORCHELASTIC_ERROR_FILE=str(error_file))
+    if launcher:
+        env[LAUNCHER_PID_ENV] = str(os.getpid())
+    proc = subprocess.run([sys.executable, "-c", LOSES_A_PEER, GLOO], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == -STOP_OTHERS_SIGNAL, proc.stderr
+    line = (f"{LOST_PEER} (Read error [127.0.0.1]:13231: Connection reset by peer): another rank has ended or "
+            f"cannot be reached")
+    assert json.loads(error_file.read_text())["message"] == line
+    assert proc.stderr == ("" if launcher else line + "\n")
+    if not launcher:
+        return
+    proc = subprocess.run([sys.executable, "-c", LOSES_A_PEER, "a bug"], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 1 and "Traceback" in proc.stderr and "RuntimeError: a bug" in proc.stderr
+
+
+def test_a_worker_killed_before_the_job_held_its_folder_names_no_checkpoint(tmp_path, capsys):
+    """Killed during its imports or before the lock: no folder of this job to look in (it may be another
+    run's), so the line says to start again."""
+    from torchtune_ext import launch
+
+    with pytest.raises(SystemExit) as exit_info:
+        launch._exit_for_lost_rank({1: failure(tmp_path, 1, -9), 0: failure(tmp_path, 0, STOPPED)}, None)
+    assert exit_info.value.code == 137
+    assert capsys.readouterr().err == ("\nerror: rank 1 (pid 1001) was killed by SIGKILL, and the job stopped; it "
+                                       "stopped before it held its output_dir: start it again with the same command"
+                                       "  (exit status 137)\n")
