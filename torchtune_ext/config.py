@@ -307,6 +307,11 @@ COMMON_KEYS: Dict[str, Key] = {
     # torchtune's activation offloading (CUDA only, with activation checkpointing, as upstream).
     "enable_activation_offloading": Key(False, _boolean),
     "resume_from_checkpoint": Key(False, _boolean),
+    # Check the SHA-256 of every file of the checkpoint a run resumes from (and that
+    # python -m torchtune_ext.evaluate reads) against its manifest, before anything loads:
+    # a file damaged at the same size is refused. Costs a read of the checkpoint (about
+    # 1 s per 1.4 GiB from the page cache); false checks sizes only, for very large checkpoints.
+    "verify_checkpoint_hashes": Key(True, _boolean),
     "save_every_n_steps": Key(None, _optional_positive_int),
     # false: skip the checkpoint at the end of the last epoch (runs whose
     # metrics are all that matters, e.g. the parity report); periodic and
@@ -667,7 +672,7 @@ def _check_combinations(cfg: DictConfig, training: bool = True) -> None:
     if not training:
         return
     if cfg.resume_from_checkpoint:
-        from torchtune_ext.checkpoint import incomplete_checkpoints, latest_checkpoint
+        from torchtune_ext.checkpoint import incomplete_checkpoints, latest_checkpoint, verify_checkpoint
 
         latest = latest_checkpoint(cfg.output_dir)
         if latest is None:
@@ -682,6 +687,7 @@ def _check_combinations(cfg: DictConfig, training: bool = True) -> None:
                                   f"checkpoint and this run would later save over it; move it out of "
                                   f"'{cfg.output_dir}' (resuming continues from '{latest}')")
             log.warning("'%s' has no checkpoint.json: not a complete checkpoint, ignored.", folder)
+        verify_checkpoint(latest, content=cfg.verify_checkpoint_hashes)  # before anything loads from it
     elif any(name.startswith("step_") for name in _listdir(cfg.output_dir)):
         raise ConfigError(
             "output_dir",
