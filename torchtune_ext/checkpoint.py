@@ -56,6 +56,7 @@ from torchtune import training
 from torchtune.utils import get_logger
 
 from torchtune_ext.config import ConfigError, lora_settings
+from torchtune_ext.upstream import ADAPTER_KEYS, first_mismatch
 
 log = get_logger()  # torchtune's logger, which the recipes' lines go through too
 
@@ -308,6 +309,8 @@ def _read_manifest(path: Path, content: bool = False):
                           "(truncated or replaced)")
     if content:
         for name, digest in hashes.items():
+            if name not in files:
+                continue  # the files listed are the checkpoint; a hash alone names nothing to check
             try:
                 actual_digest = file_sha256(path / name)
             except OSError as err:
@@ -424,6 +427,7 @@ class ResumeState:
         dp_world_size (int): data-parallel ranks of the run that wrote it.
         config (dict or None): the resolved config of the run that wrote it
             (None in checkpoints of earlier versions).
+        path (Path or None): the checkpoint folder it was read from, for messages.
 
     The LR scheduler is not saved: a resumed run builds it from its config
     and advances it to ``progress.step`` (:mod:`torchtune_ext.resume`).
@@ -434,6 +438,7 @@ class ResumeState:
     rng_by_rank: List[Dict[str, Any]]
     dp_world_size: int = 1
     config: Optional[Dict[str, Any]] = None
+    path: Optional[Path] = None
 
     @property
     def saved_total_steps(self) -> int:
@@ -578,6 +583,10 @@ class CheckpointManager:
             if adapter and adapter_file is None:
                 raise ConfigError("resume_from_checkpoint", f"checkpoint '{resume_from}' holds no "
                                   f"{ADAPTER_WEIGHTS}; it was not written by a LoRA recipe")
+            if not adapter and adapter_file is not None:
+                raise ConfigError("resume_from_checkpoint", f"'{resume_from}' was written by a LoRA recipe (it "
+                                  f"holds {adapter_file}): its optimizer state is the adapter's, which a full "
+                                  "fine-tune cannot continue; resume it with a LoRA recipe")
             if not adapter:
                 overrides["checkpoint_dir"] = str(resume_from)
                 overrides["checkpoint_files"] = sorted(  # HF safetensors, or Meta's .bin / .pth
@@ -942,6 +951,7 @@ def load_recipe_state(path: Path) -> ResumeState:
             rng_by_rank=state.get("rng_by_rank") or [state["rng"]],
             dp_world_size=state.get("dp_world_size", 1),
             config=state.get("config"),
+            path=path,
         )
     except Exception as err:
         raise ConfigError("resume_from_checkpoint", f"'{path / RECIPE_STATE}' cannot be read ({_short(err)})."
@@ -1001,8 +1011,6 @@ def load_model_state(model: torch.nn.Module, state_dict: Dict[str, Any], source:
         ConfigError: (key ``checkpointer.checkpoint_dir``) if a shape or a key
             of the checkpoint does not fit the model.
     """
-    from torchtune_ext.upstream import first_mismatch
-
     mismatch = first_mismatch(model.state_dict(), state_dict) if model_name else None
     if mismatch:
         raise ConfigError("checkpointer.checkpoint_dir", f"the checkpoint in '{source}' does not fit the model "
@@ -1017,6 +1025,46 @@ def load_model_state(model: torch.nn.Module, state_dict: Dict[str, Any], source:
             f"the checkpoint in '{source}' does not fit the configured model ({detail or err}). "
             "Check that `model` matches the checkpoint's architecture.",
         ) from err
+
+
+def check_adapter_fits(model_state: Dict[str, Any], adapter_state: Dict[str, Any], source: Any) -> None:
+    """Refuse a saved adapter whose tensors do not match the model's, in one line, before loading it.
+
+    A LoRA resume whose ``lora_rank``, ``lora_attn_modules``, ``apply_lora_to_mlp``,
+    ``apply_lora_to_output`` or ``use_dora`` differ from the saved run's builds
+    other adapter tensors. :func:`torchtune_ext.resume.check_resume` finds that
+    from the saved config before anything loads; this check covers checkpoints
+    without one (earlier versions). Replaces the recipes' ``load_state_dict``
+    size-mismatch list (one line per tensor) and torchtune's
+    ``validate_missing_and_unexpected_for_lora`` assertion for the adapter.
+
+    Args:
+        model_state: the LoRA model's ``state_dict()`` (only shapes are read:
+            tensors, meta tensors or DTensors, whose shape is the full one).
+        adapter_state: the saved adapter in torchtune key names
+            (``lora_a``, ``lora_b``, DoRA ``magnitude``).
+        source: the checkpoint folder, for the message.
+
+    Raises:
+        ConfigError: (key ``resume_from_checkpoint``) naming the first
+            mismatching tensor and how many of the adapter's differ.
+    """
+    model_adapter = {k: v for k, v in model_state.items() if any(part in k for part in ADAPTER_KEYS)}
+    problems = []
+    for key, value in model_adapter.items():
+        if key not in adapter_state:
+            problems.append(f"'{key}' is in the model but not in the saved adapter")
+        elif tuple(adapter_state[key].shape) != tuple(value.shape):
+            problems.append(f"'{key}' has shape {list(adapter_state[key].shape)} in the saved adapter, "
+                            f"{list(value.shape)} in the model")
+    problems += [f"'{key}' is in the saved adapter but not in the model" for key in adapter_state
+                 if key not in model_adapter]
+    if problems:
+        more = f" ({len(problems) - 1} more of {len(set(model_adapter) | set(adapter_state))} adapter tensors " \
+               "differ)" if len(problems) > 1 else ""
+        raise ConfigError("resume_from_checkpoint", f"the adapter in '{source}' does not fit this model's LoRA "
+                          f"settings: {problems[0]}{more}; resume with the LoRA settings (model.lora_rank, "
+                          "lora_attn_modules, apply_lora_to_mlp, apply_lora_to_output, use_dora) it was trained with")
 
 
 def lora_checkpoint_state(model_state: Dict[str, Any], cfg_model: DictConfig, adapter_only: bool) -> Dict[str, Any]:
