@@ -247,7 +247,7 @@ def intact_before(path: Path, content: bool = False) -> str:
     return " No earlier checkpoint of this run is intact."
 
 
-def verify_checkpoint(path: Path, content: bool = False) -> Dict[str, Any]:
+def verify_checkpoint(path: Path, content: bool = False, key: str = "resume_from_checkpoint") -> Dict[str, Any]:
     """Check a checkpoint folder against its manifest.
 
     Args:
@@ -256,20 +256,20 @@ def verify_checkpoint(path: Path, content: bool = False) -> Dict[str, Any]:
             save (reads every byte: about 1 s per 1.4 GiB from the page cache,
             disk speed otherwise). Manifests of earlier versions hold no
             hashes; their files are checked by size only.
+        key: the config key the error names (evaluating a folder: ``checkpointer.checkpoint_dir``).
 
     Returns:
         dict: the manifest.
 
     Raises:
-        ConfigError: (key ``resume_from_checkpoint``) if the manifest is
-            missing or unreadable, or a listed file is missing, has another
-            size, cannot be read or (``content``) has another SHA-256; the
-            message names the file and says whether an earlier checkpoint is
-            intact.
+        ConfigError: (key ``key``) if the manifest is missing or unreadable,
+            or a listed file is missing, has another size, cannot be read or
+            (``content``) has another SHA-256; the message names the file and
+            says whether an earlier checkpoint is intact.
     """
     manifest, problem = _read_manifest(path, content)
     if problem:
-        raise ConfigError("resume_from_checkpoint", problem + "." + intact_before(path, content))
+        raise ConfigError(key, problem + "." + intact_before(path, content))
     return manifest
 
 
