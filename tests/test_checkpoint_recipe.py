@@ -33,10 +33,11 @@ def write_config(setup_yaml, out, *overrides, default_keep=False):
     return path
 
 
-def tune(config, *overrides, tests_importable=False, max_file_bytes=None):
+def tune(config, *overrides, tests_importable=False, max_file_bytes=None, extra_env=None):
     env = resume_jobs.subprocess_env()
     if tests_importable:
         env["PYTHONPATH"] += f":{REPO_ROOT / 'tests'}"
+    env.update(extra_env or {})
 
     def limit_file_size():  # ulimit -f: a write past it fails with EFBIG (Python ignores SIGXFSZ)
         resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_bytes, max_file_bytes))
@@ -231,3 +232,30 @@ def test_an_unreadable_step_folder_is_one_config_error_when_the_config_is_checke
     deny(monkeypatch, out / which)
     with pytest.raises(ConfigError, match=rf"^config key 'output_dir': '{out / which}' cannot be read"):
         validate(cfg)
+
+
+def test_a_disk_that_fills_during_a_step_stops_in_seconds_naming_the_checkpoint(setup_yaml, tmp_path):
+    """Issue 33 F3: the metrics write of step 5 fails with ENOSPC (tests/full_disk/sitecustomize.py, with W&B
+    on): exit 74 and one line naming step_4, the checkpoint to resume from, instead of an OSError traceback
+    (exit 1; 401 s to exit with W&B). The resume it names then finishes the run."""
+    import time
+
+    out = tmp_path / "out"
+    wandb = ["metric_logger._component_=torchtune.training.metric_logging.WandBLogger", "metric_logger.mode=offline",
+             "metric_logger.project=full-disk", f"metric_logger.log_dir={out / 'logs'}"]
+    config = write_config(setup_yaml, out, "save_every_n_steps=2", *wandb)
+    mark = tmp_path / "disk_full_at"
+    proc = tune(config, extra_env={"PYTHONPATH": f"{REPO_ROOT}:{REPO_ROOT / 'tests' / 'full_disk'}",
+                                   "FULL_DISK_AFTER_LINES": "4", "FULL_DISK_MARK": str(mark)})
+    seconds = time.time() - float(mark.read_text())  # from the failed write to the end of the `tune` command
+    assert proc.returncode == 74, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert error_lines(proc) == [
+        f"error: writing the metrics of step 5 to '{out / 'logs' / 'metrics.jsonl'}' failed (the disk is full): "
+        f"training stopped after step 5; resume from {out / 'step_4'}: free some space, then continue with "
+        "resume_from_checkpoint=true (step 5 is trained again)"]
+    print(f"{seconds:.1f} s from the failed write to the exit")
+    assert seconds < 15, seconds  # the exit does not wait on W&B (a loaded 2-core machine: ~3 s)
+    resumed = tune(config, "resume_from_checkpoint=true")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert sorted(resume_jobs.by_step(out)) == list(range(1, 13))

@@ -1,9 +1,12 @@
 """Step records, the rank-aware JSONL logger, and what reaches W&B offline."""
 
+import errno
 import json
 import subprocess
 import sys
+import time
 
+import pytest
 import torch
 from omegaconf import OmegaConf
 
@@ -154,3 +157,89 @@ def test_log_lines_during_training_are_written_above_the_progress_bar(monkeypatc
     assert "0/3" in before  # the bar was drawn first
     assert before.endswith(("\r", "\n")), repr(before[-40:])
     assert metrics.log.handlers == [handler]
+
+
+# ------------------------------------------------------ a disk that fills during a step (issue 33 F3)
+class FullDiskFile:
+    """A JSONL file on a full disk: every write fails with ENOSPC."""
+
+    def __init__(self):
+        self.closed = False
+
+    def write(self, text):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def close(self):
+        self.closed = True
+
+
+class SlowClosingBackend(RecordingBackend):
+    """W&B with the disk full: closing waits on its service's writes for minutes (401 s in the issue)."""
+
+    def close(self):
+        time.sleep(60)
+
+
+def fake_checkpoint(output_dir, step):
+    folder = output_dir / f"step_{step}"
+    folder.mkdir(parents=True)
+    (folder / "checkpoint.json").write_text(json.dumps({"step": step, "files": {}}))
+    return folder
+
+
+def test_a_full_disk_while_logging_a_step_stops_within_seconds_naming_the_checkpoint(tmp_path, monkeypatch):
+    from torchtune_ext import metrics
+    from torchtune_ext.checkpoint import CheckpointSaveError, OutputWriteError
+
+    monkeypatch.setattr(metrics, "BACKEND_CLOSE_TIMEOUT_S", 0.5)
+    latest = fake_checkpoint(tmp_path, 4)
+    fake_checkpoint(tmp_path, 2)
+    logger = MetricLogger(tmp_path / "logs" / "metrics.jsonl", SlowClosingBackend(), rank=0)
+    logger.log({"step": 5, "loss": 1.0})
+    logger._jsonl.close()
+    logger._jsonl = full = FullDiskFile()
+    start = time.monotonic()
+    with pytest.raises(OutputWriteError) as err:
+        logger.log({"step": 7, "loss": 1.0})
+    assert time.monotonic() - start < 5  # not waiting for the backend's close
+    assert isinstance(err.value, CheckpointSaveError)  # the recipes exit with 74, as for a failed save
+    assert str(err.value) == (
+        f"writing the metrics of step 7 to '{tmp_path / 'logs' / 'metrics.jsonl'}' failed (the disk is full): "
+        f"training stopped after step 7; resume from {latest}: free some space, then continue with "
+        "resume_from_checkpoint=true (steps 5-7 are trained again)")
+    assert full.closed
+    logger.close()  # nothing more to write: the recipe's cleanup does not fail again
+
+
+def test_a_write_error_other_than_a_full_disk_and_no_checkpoint_yet(tmp_path):
+    from torchtune_ext.checkpoint import OutputWriteError
+
+    logger = MetricLogger(tmp_path / "logs" / "metrics.jsonl", None, rank=0)
+    logger._jsonl.close()
+    logger._jsonl = FullDiskFile()
+    logger._jsonl.write = lambda text: (_ for _ in ()).throw(OSError(errno.EIO, "Input/output error"))
+    with pytest.raises(OutputWriteError, match=r"^writing the metrics of step 1 to '.*metrics.jsonl' failed "
+                       r"\(OSError: \[Errno 5\] Input/output error\): training stopped after step 1; no checkpoint "
+                       r"of this run exists yet: fix the cause, then start the run again$"):
+        logger.log({"step": 1})
+
+
+def test_a_full_disk_when_the_run_has_finished_says_what_is_complete(tmp_path):
+    """W&B's disk filled during training (its service fails quietly): the closing charts fail. Training is over;
+    the error says so, and that the final checkpoint and every step's metrics are there."""
+    from torchtune_ext.checkpoint import OutputWriteError
+
+    latest = fake_checkpoint(tmp_path, 12)
+
+    class FullDiskBackend(RecordingBackend):
+        def close(self):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    logger = MetricLogger(tmp_path / "logs" / "metrics.jsonl", FullDiskBackend(), rank=0)
+    logger.log({"step": 12, "loss": 1.0})
+    with pytest.raises(OutputWriteError) as err:
+        logger.close()
+    assert str(err.value) == (
+        "writing the metric logger's last records failed (the disk is full) after training finished: "
+        f"{latest} is complete, and every step's metrics are in {tmp_path / 'logs' / 'metrics.jsonl'}; "
+        "free some space")

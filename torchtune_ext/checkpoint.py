@@ -353,6 +353,49 @@ class CheckpointSaveError(RuntimeError):
     """
 
 
+class OutputWriteError(CheckpointSaveError):
+    """Another file of the run could not be written during training (the step's metrics): a full disk, a failing device.
+
+    Training stops at once, without a checkpoint (the disk that refused a line of
+    metrics would refuse one); the message names the newest checkpoint to resume
+    from. A :class:`CheckpointSaveError`, so that the recipes exit alike, with 74.
+    """
+
+
+def write_failed(what: str, output_dir: Any, err: OSError, step: Optional[int] = None,
+                 finished: bool = False) -> OutputWriteError:
+    """The error for a failed write of ``what`` during training, naming the checkpoint to resume from.
+
+    Args:
+        what: the file, e.g. ``"the metrics of step 7 to 'out/logs/metrics.jsonl'"``.
+        output_dir: the run's output folder.
+        err: the write's error (``errno.ENOSPC``: the disk is full).
+        step: the last optimizer step trained.
+        finished: the write came after the last step (the metric logger's closing
+            writes): nothing is to be resumed, the newest checkpoint is the result.
+    """
+    full = _is_disk_full(err)
+    fix = "free some space" if full else "fix the cause"
+    try:
+        latest = latest_checkpoint(str(output_dir))
+    except ConfigError:
+        latest = None
+    cause = "the disk is full" if full else _short(err)
+    if finished:
+        kept = f"{latest} is complete" if latest is not None else "no checkpoint was saved"
+        return OutputWriteError(f"writing {what} failed ({cause}) after training finished: {kept}, and every "
+                                f"step's metrics are in {Path(output_dir) / 'logs' / 'metrics.jsonl'}; {fix}")
+    after = f" after step {step}" if step is not None else ""
+    if latest is None:
+        then = f"no checkpoint of this run exists yet: {fix}, then start the run again"
+    else:
+        first = _step_of(latest) + 1
+        lost = ("" if step is None or first > step else f" (step {step} is trained again)" if first == step
+                else f" (steps {first}-{step} are trained again)")
+        then = f"resume from {latest}: {fix}, then continue with resume_from_checkpoint=true{lost}"
+    return OutputWriteError(f"writing {what} failed ({cause}): training stopped{after}; {then}")
+
+
 def format_bytes(num_bytes: float) -> str:
     """``1.61 GiB``, ``12.0 MiB``, ...: binary units, three significant figures."""
     for unit in ("B", "KiB", "MiB", "GiB"):

@@ -9,9 +9,11 @@ no rank branches.
 """
 
 import contextlib
+import functools
 import json
 import os
 import resource
+import sys
 import threading
 import time
 from pathlib import Path
@@ -24,13 +26,17 @@ from torchtune import config as tt_config
 from torchtune import utils
 
 from torchtune_ext import flops as flops_lib
+from torchtune_ext.checkpoint import write_failed
 from torchtune_ext.config import ConfigError, enabled
 from torchtune_ext.flops import ModelFlops
+from torchtune_ext.launch import EXIT_IO_ERROR
 from torchtune_ext.step import StepResult
 
 log = utils.get_logger("INFO")  # torchtune's: the recipes show its INFO lines
 
 GIB = 1024**3
+# After a failed write, how long the metric logger's backend may take to close before the run exits anyway.
+BACKEND_CLOSE_TIMEOUT_S = 5.0
 
 
 class _RssSampler:
@@ -342,27 +348,82 @@ class MetricLogger:
                 first.write_bytes(kept)
 
     def log(self, record: Mapping[str, Any]) -> None:
-        """Append ``record`` (must hold ``step``) to the JSONL file and the backend."""
+        """Append ``record`` (must hold ``step``) to the JSONL file and the backend.
+
+        Raises:
+            OutputWriteError: a write failed (a full disk: ``OSError`` ENOSPC); the
+                message names the checkpoint to resume from. The recipes exit with 74.
+        """
         if not self._active:
             return
-        self._jsonl.write(json.dumps(dict(record)) + "\n")
-        self._jsonl.flush()
-        os.fsync(self._jsonl.fileno())
+        try:
+            self._jsonl.write(json.dumps(dict(record)) + "\n")
+            self._jsonl.flush()
+            os.fsync(self._jsonl.fileno())
+        except OSError as err:
+            raise self._failed(f"the metrics of step {record['step']} to '{self._path}'", record["step"], err) from err
         if self._backend is not None:
             payload = {k: v for k, v in record.items() if k != "step" and v is not None}
-            self._backend.log_dict(payload, step=record["step"])
+            try:
+                self._backend.log_dict(payload, step=record["step"])
+            except OSError as err:
+                raise self._failed(f"the metrics of step {record['step']} to the metric logger", record["step"],
+                                   err) from err
+
+    def _failed(self, what: str, step: int, err: OSError):
+        """Stop writing (a full disk refuses the rest too) and end the backend now, without waiting on a write."""
+        jsonl, self._jsonl, self._wandb_charts = self._jsonl, None, False
+        try:
+            jsonl.close()
+        except OSError:
+            pass  # its buffered line cannot be written either
+        self._abandon_backend()
+        return write_failed(what, self._logs.parent, err, step)
+
+    def _abandon_backend(self) -> None:
+        """Close the backend within :data:`BACKEND_CLOSE_TIMEOUT_S` seconds, or leave it behind.
+
+        W&B's ``finish`` waits for its service to flush the run to disk, which
+        with the disk full can take minutes (401 s measured with W&B on); the
+        run is marked failed by :func:`torchtune_ext.launch.finish_wandb` only
+        if that is quick.
+        """
+        backend, self._backend = self._backend, None
+        if backend is None:
+            return
+        wandb = sys.modules.get("wandb")
+        if wandb is not None and getattr(wandb, "run", None) is not None:  # a W&B run: marked failed, as the exit
+            close = functools.partial(wandb.finish, exit_code=EXIT_IO_ERROR)
+        else:
+            close = backend.close
+        closer = threading.Thread(target=close, daemon=True, name="metric-logger-close")
+        closer.start()
+        closer.join(BACKEND_CLOSE_TIMEOUT_S)
 
     def close(self) -> None:
-        if self._jsonl is not None:
-            self._jsonl.close()
-            self._jsonl = None
-        if self._wandb_charts:
-            with open(self._path) as f:
-                log_wandb_loss_charts(json.loads(line) for line in f if line.strip())
-            self._wandb_charts = False
-        if self._backend is not None:
-            self._backend.close()
-            self._backend = None
+        """Close the JSONL file and the backend (W&B: after logging the combined loss charts).
+
+        Raises:
+            OutputWriteError: a closing write failed (the disk is full); the
+                message says that training finished and names the newest checkpoint.
+        """
+        what = f"'{self._path}'"
+        try:
+            if self._jsonl is not None:
+                jsonl, self._jsonl = self._jsonl, None
+                jsonl.close()
+            what = "the loss charts to the metric logger"
+            if self._wandb_charts:
+                self._wandb_charts = False
+                with open(self._path) as f:
+                    log_wandb_loss_charts(json.loads(line) for line in f if line.strip())
+            what = "the metric logger's last records"
+            if self._backend is not None:
+                backend, self._backend = self._backend, None
+                backend.close()
+        except OSError as err:
+            self._abandon_backend()
+            raise write_failed(what, self._logs.parent, err, finished=True) from err
 
 
 def _end_wandb_service() -> None:
