@@ -243,3 +243,29 @@ def test_a_full_disk_when_the_run_has_finished_says_what_is_complete(tmp_path):
         "writing the metric logger's last records failed (the disk is full) after training finished: "
         f"{latest} is complete, and every step's metrics are in {tmp_path / 'logs' / 'metrics.jsonl'}; "
         "free some space")
+
+
+# ----------------------------------------------- the learning rate at full precision (issue 33 U6)
+def test_lr_is_logged_at_full_precision_and_the_last_step_line_shows_it(tmp_path, caplog):
+    """W&B's console run summary printed "lr 0.0" for 2.9e-06: it rounds every float to 5 decimals. The value
+    logged is the optimizer's, to the last bit, in the JSONL file and in W&B's history; the run's own last
+    line shows it in 3 significant figures."""
+    import logging
+
+    from torchtune_ext.metrics import StepReporter
+
+    lr = 2.9e-06 * (1 + 1e-12)  # not a round number: any rounding on the way would show
+    cfg = OmegaConf.create({"output_dir": str(tmp_path), "metric_logger": {
+        "_component_": "torchtune.training.metric_logging.WandBLogger", "project": "test", "mode": "offline",
+        "log_dir": str(tmp_path / "logs")}})
+    logger = build_metric_logger(cfg, rank=0)
+    reporter = StepReporter(logger, CPU, total_steps=1, log_peak_memory=False)
+    reporter.start_step()
+    reporter.end_step(StepResult(loss=1.5, num_tokens=30, local_num_tokens=30, grad_norm=0.25), step=1, epoch=0,
+                      lr=lr, skipped_steps=0)
+    with caplog.at_level(logging.INFO):
+        reporter.close()
+    logger.close()
+    assert json.loads((tmp_path / "logs" / "metrics.jsonl").read_text())["lr"] == lr
+    assert [r["lr"] for r in read_offline_run(str(tmp_path / "logs"))["history"] if "lr" in r] == [lr]
+    assert "Last optimizer step 1: loss 1.5000, lr 2.9e-06, grad_norm 0.25, " in caplog.text

@@ -536,6 +536,7 @@ class StepReporter:
             if self._peak is not None:
                 log.info("MFU against %.3g TFLOP/s per device (%s).", self._peak, source)
         self._bar = tqdm(total=total_steps, initial=initial_step, dynamic_ncols=True, disable=rank != 0)
+        self._last: Optional[Dict[str, Any]] = None
         # Log lines during training (the memory guard's, checkpoint saves) would otherwise land on the
         # bar's line: tqdm's redirect writes the console handlers' lines above the bar until close().
         self._console = contextlib.ExitStack()
@@ -559,13 +560,37 @@ class StepReporter:
             self._logger.log(record)
         self._bar.update(1)
         self._bar.set_description(progress_description(record))
+        self._last = record
         return record
 
     def close(self) -> None:
+        """Close the bar (and the profiler); log the last step's line (rank 0), ``lr`` in 3 significant figures.
+
+        W&B's console run summary rounds every float to 5 decimals (a learning rate
+        of 2.9e-06 shows as 0.0); the value logged, in W&B and ``metrics.jsonl``, is
+        the optimizer's own.
+        """
+        shown = not self._bar.disable  # rank 0 (tqdm's close sets disable)
         self._bar.close()
         self._console.close()
         if self._profiler is not None:
             self._profiler.stop()
+        if self._last is not None and shown:
+            log.info(last_step_line(self._last))
+
+
+def last_step_line(record: Mapping[str, Any]) -> str:
+    """``Last optimizer step 12: loss 1.2346, lr 2.9e-06, grad_norm 0.531, 1,234 tokens/s`` (what is in the record)."""
+    parts = []
+    if record.get("loss") is not None:
+        parts.append(f"loss {record['loss']:.4f}")
+    if record.get("lr") is not None:
+        parts.append(f"lr {record['lr']:.3g}")
+    if record.get("grad_norm") is not None:
+        parts.append(f"grad_norm {record['grad_norm']:.3g}")
+    parts.append(f"{record['tokens_per_second']:,.0f} tokens/s")
+    skipped = " (skipped)" if record.get("loss") is None else ""
+    return f"Last optimizer step {record['step']}{skipped}: {', '.join(parts)}"
 
 
 def progress_description(record: Mapping[str, Any]) -> str:
@@ -580,6 +605,7 @@ __all__ = [
     "StepTimer",
     "build_metric_logger",
     "define_wandb_axes",
+    "last_step_line",
     "log_wandb_loss_charts",
     "loss_curves",
     "lifetime_peak_rss_bytes",
