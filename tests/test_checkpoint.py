@@ -557,3 +557,22 @@ def test_an_old_folder_that_becomes_unreadable_during_training_only_stops_prunin
         third = save(manager, 3)
     assert third.is_dir() and first.is_dir()
     assert f"old checkpoints were not pruned: config key 'output_dir': '{first}' cannot be read" in caplog.text
+
+
+def test_hashes_can_be_left_out_for_very_large_checkpoints(tmp_path):
+    """verify_checkpoint_hashes=false: no pass over the bytes at save (nor at resume): sizes only."""
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "weights.bin").write_bytes(b"base-weights")
+    cfg = OmegaConf.create({"checkpointer": {"_component_": "fake_checkpointer.FakeCheckpointer",
+                                             "checkpoint_dir": str(base), "output_dir": str(tmp_path / "out")},
+                            "output_dir": str(tmp_path / "out"), "keep_last_n_checkpoints": 2,
+                            "verify_checkpoint_hashes": False})
+    manager = CheckpointManager.from_config(cfg)
+    manager.load()
+    path = save(manager, 1)
+    assert "sha256" not in json.loads((path / MANIFEST).read_text())
+    cfg.verify_checkpoint_hashes = True
+    manager = CheckpointManager.from_config(cfg)
+    manager.load()
+    assert "sha256" in json.loads((save(manager, 2) / MANIFEST).read_text())
