@@ -344,3 +344,14 @@ def test_the_result_goes_to_the_runs_logs_and_nothing_is_overwritten(eval_folder
     assert code == 2 and out == "" and err == [
         f"error: --output '{first}' exists: nothing is overwritten; remove it or choose another file"]
     assert first.read_text() == kept
+
+
+def test_a_result_written_into_the_repository_root_is_ignored_by_git():
+    """U6: `--output step_6.json` in the repository root showed up as a new file in `git status`."""
+    import subprocess
+
+    from helpers import REPO_ROOT
+
+    ignored = subprocess.run(["git", "check-ignore", "-q", "step_6.json"], cwd=REPO_ROOT)
+    kept = subprocess.run(["git", "check-ignore", "-q", "configs/step_6.json"], cwd=REPO_ROOT)
+    assert ignored.returncode == 0 and kept.returncode == 1  # only the root: configs may hold JSON files
