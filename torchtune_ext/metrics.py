@@ -381,12 +381,12 @@ class MetricLogger:
         return write_failed(what, self._logs.parent, err, step)
 
     def _abandon_backend(self) -> None:
-        """Close the backend within :data:`BACKEND_CLOSE_TIMEOUT_S` seconds, or leave it behind.
+        """Close the backend, waiting at most :data:`BACKEND_CLOSE_TIMEOUT_S` seconds, then go on without it.
 
-        W&B's ``finish`` waits for its service to flush the run to disk, which
-        with the disk full can take minutes (401 s measured with W&B on); the
-        run is marked failed by :func:`torchtune_ext.launch.finish_wandb` only
-        if that is quick.
+        W&B's ``finish`` waits for its service to write the run out, which on a
+        full disk may not end (issue 33 saw 401 s from the failure to the exit);
+        the run ends as failed (exit code 74) when it can. A W&B run still
+        closing when the process exits is left incomplete on disk, as after a kill.
         """
         backend, self._backend = self._backend, None
         if backend is None:
