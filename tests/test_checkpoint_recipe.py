@@ -259,3 +259,25 @@ def test_a_disk_that_fills_during_a_step_stops_in_seconds_naming_the_checkpoint(
     resumed = tune(config, "resume_from_checkpoint=true")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert sorted(resume_jobs.by_step(out)) == list(range(1, 13))
+
+
+def test_an_unreadable_output_dir_is_one_config_error_for_a_new_run(setup_yaml, tmp_path, monkeypatch):
+    """F4 for a run that does not resume: whether the folder holds checkpoints cannot be told."""
+    import errno
+    import os
+
+    from torchtune_ext.config import validate
+
+    out = tmp_path / "out"
+    cfg = OmegaConf.load(write_config(setup_yaml, out))
+    out.mkdir()
+    real = os.listdir
+
+    def listdir(path="."):
+        if str(path) == str(out):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real(path)
+
+    monkeypatch.setattr(os, "listdir", listdir)
+    with pytest.raises(ConfigError, match=rf"^config key 'output_dir': '{out}' cannot be read \(PermissionError: "):
+        validate(cfg)

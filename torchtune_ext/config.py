@@ -704,7 +704,11 @@ def _check_not_in_use(output_dir: str) -> None:
 
 
 def _listdir(path: str):
-    return os.listdir(path) if os.path.isdir(path) else []
+    try:
+        return os.listdir(path) if os.path.isdir(path) else []
+    except OSError as err:  # no read permission: which checkpoints it holds cannot be told
+        raise ConfigError("output_dir", f"'{path}' cannot be read ({type(err).__name__}: {err}); give this user "
+                          f"read access to it (e.g. chmod u+rwx '{path}') or choose another output_dir") from None
 
 
 # Keys a training config must have that evaluating a checkpoint does not read.
