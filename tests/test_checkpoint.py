@@ -440,3 +440,139 @@ def test_start_up_warning_on_resume_counts_only_the_checkpoints_to_come(manager,
         manager.announce(2 * 10**6, Progress(step=1, epoch=0, steps_in_epoch=1, seed=3), loader=None, cfg=None)
     assert not [r for r in caplog.records if r.levelname == "WARNING"]
     assert "1 to write, the newest 1 kept (keep_last_n_checkpoints=1): up to " in caplog.text
+
+
+# ------------------------------------------------------- content hashes (issue 33 F11)
+def damage_same_size(file):
+    """Zero the middle half of a file: the size stays, so a size check cannot tell."""
+    data = bytearray(file.read_bytes())
+    quarter = len(data) // 4
+    data[quarter:3 * quarter] = bytes(2 * quarter)
+    assert data != file.read_bytes()
+    file.write_bytes(bytes(data))
+
+
+def test_manifest_records_the_sha256_of_every_file(manager):
+    import hashlib
+
+    path = save(manager, 1)
+    manifest = json.loads((path / MANIFEST).read_text())
+    assert sorted(manifest["sha256"]) == sorted(manifest["files"]) == ["recipe_state.pt", "weights.bin"]
+    for name, digest in manifest["sha256"].items():
+        assert digest == hashlib.sha256((path / name).read_bytes()).hexdigest(), name
+
+
+@pytest.mark.parametrize("name", ["recipe_state.pt", "weights.bin"])
+def test_same_size_damage_is_refused_naming_the_file_and_the_intact_checkpoint(manager, name):
+    first, second = save(manager, 1), save(manager, 2, b"second-weights")
+    damage_same_size(second / name)
+    verify_checkpoint(second)  # sizes only: the damage passes
+    with pytest.raises(ConfigError, match=rf"^config key 'resume_from_checkpoint': checkpoint '{second}': "
+                       rf"'{name}' is damaged: its content differs from what was saved \(SHA-256 mismatch, same "
+                       rf"size\)\. The previous checkpoint '{first}' is intact: move 'step_2' out of the output_dir"):
+        verify_checkpoint(second, content=True)
+    damage_same_size(first / "recipe_state.pt")  # "intact" means its content too
+    with pytest.raises(ConfigError, match="No earlier checkpoint of this run is intact"):
+        verify_checkpoint(second, content=True)
+
+
+def test_a_checkpoint_without_hashes_still_verifies(manager):
+    """Checkpoints of earlier versions have sizes only: they resume, checked by size."""
+    path = save(manager, 1)
+    manifest = json.loads((path / MANIFEST).read_text())
+    del manifest["sha256"]
+    (path / MANIFEST).write_text(json.dumps(manifest))
+    assert verify_checkpoint(path, content=True)["step"] == 1
+    (path / "weights.bin").write_bytes(b"x")
+    with pytest.raises(ConfigError, match="'weights.bin' has 1 bytes"):
+        verify_checkpoint(path, content=True)
+
+
+def test_a_file_that_cannot_be_read_is_named(manager, monkeypatch):
+    path = save(manager, 1)
+    real = checkpoint.file_sha256
+
+    def unreadable(file):
+        if file.name == "weights.bin":
+            raise PermissionError(errno.EACCES, "Permission denied", str(file))
+        return real(file)
+
+    monkeypatch.setattr(checkpoint, "file_sha256", unreadable)
+    with pytest.raises(ConfigError, match=rf"checkpoint '{path}': 'weights.bin' cannot be read \(PermissionError"):
+        verify_checkpoint(path, content=True)
+
+
+# --------------------------------------------- folders that cannot be read (issue 33 F4)
+def deny(monkeypatch, folder):
+    """Make ``folder`` unreadable: chmod 000 as a user; as root (which reads anything) the stat of its entries
+    fails as it would for a user."""
+    import os
+
+    if os.geteuid() != 0:
+        folder.chmod(0)
+        monkeypatch.undo = lambda real=monkeypatch.undo: (folder.chmod(0o755), real())
+        return
+    real_stat = os.stat
+
+    def stat(path, *args, **kwargs):
+        if str(path).startswith(str(folder) + os.sep):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", stat)
+
+
+@pytest.mark.parametrize("which", ["newest", "older"])
+def test_an_unreadable_step_folder_is_one_error_naming_it(manager, monkeypatch, which):
+    first, second = save(manager, 1), save(manager, 2)
+    folder = second if which == "newest" else first
+    deny(monkeypatch, folder)
+    for listing in (list_checkpoints, latest_checkpoint, checkpoint.incomplete_checkpoints):
+        with pytest.raises(ConfigError, match=rf"^config key 'output_dir': '{folder}' cannot be read "
+                           r"\(PermissionError: .*Permission denied.*\), so the checkpoints in it cannot be listed "
+                           rf"or checked; give this user read access to it \(e.g. chmod u\+rwx '{folder}'\) or move "
+                           r"it out of the output_dir$"):
+            listing(str(manager.output_dir))
+
+
+def test_an_unreadable_output_dir_is_one_error_naming_it(manager, monkeypatch):
+    save(manager, 1)
+    real = checkpoint.Path.iterdir
+
+    def iterdir(path):
+        if path == manager.output_dir:
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real(path)
+
+    monkeypatch.setattr(checkpoint.Path, "iterdir", iterdir)
+    with pytest.raises(ConfigError, match=rf"^config key 'output_dir': '{manager.output_dir}' cannot be read"):
+        latest_checkpoint(str(manager.output_dir))
+
+
+def test_an_old_folder_that_becomes_unreadable_during_training_only_stops_pruning(manager, monkeypatch, caplog):
+    """Listing for pruning happens after the new checkpoint is complete: a warning, training goes on."""
+    first, second = save(manager, 1), save(manager, 2)
+    deny(monkeypatch, first)
+    with caplog.at_level("WARNING"):
+        third = save(manager, 3)
+    assert third.is_dir() and first.is_dir()
+    assert f"old checkpoints were not pruned: config key 'output_dir': '{first}' cannot be read" in caplog.text
+
+
+def test_hashes_can_be_left_out_for_very_large_checkpoints(tmp_path):
+    """verify_checkpoint_hashes=false: no pass over the bytes at save (nor at resume): sizes only."""
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "weights.bin").write_bytes(b"base-weights")
+    cfg = OmegaConf.create({"checkpointer": {"_component_": "fake_checkpointer.FakeCheckpointer",
+                                             "checkpoint_dir": str(base), "output_dir": str(tmp_path / "out")},
+                            "output_dir": str(tmp_path / "out"), "keep_last_n_checkpoints": 2,
+                            "verify_checkpoint_hashes": False})
+    manager = CheckpointManager.from_config(cfg)
+    manager.load()
+    path = save(manager, 1)
+    assert "sha256" not in json.loads((path / MANIFEST).read_text())
+    cfg.verify_checkpoint_hashes = True
+    manager = CheckpointManager.from_config(cfg)
+    manager.load()
+    assert "sha256" in json.loads((save(manager, 2) / MANIFEST).read_text())

@@ -1,5 +1,6 @@
 """Checkpoints through the real recipe (``tune run``, tiny model): truthful messages, disk use, a full disk."""
 
+import json
 import re
 import resource
 import subprocess
@@ -32,10 +33,11 @@ def write_config(setup_yaml, out, *overrides, default_keep=False):
     return path
 
 
-def tune(config, *overrides, tests_importable=False, max_file_bytes=None):
+def tune(config, *overrides, tests_importable=False, max_file_bytes=None, extra_env=None):
     env = resume_jobs.subprocess_env()
     if tests_importable:
         env["PYTHONPATH"] += f":{REPO_ROOT / 'tests'}"
+    env.update(extra_env or {})
 
     def limit_file_size():  # ulimit -f: a write past it fails with EFBIG (Python ignores SIGXFSZ)
         resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_bytes, max_file_bytes))
@@ -179,3 +181,105 @@ def test_a_failed_setup_removes_what_it_added_at_any_depth_and_finishes_wandb_fi
     assert sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_dir()) == [
         "logs", "logs/wandb", "logs/wandb/offline-run-1", "step_2"]
     assert finished == [(status, True, True)]  # before the removal, without W&B's summary
+
+
+def snapshot(folder):
+    """Relative path -> (size, mtime_ns) of every file under ``folder``."""
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_same_size_damage_to_a_checkpoint_stops_the_resume_with_one_line(setup_yaml, tmp_path):
+    """Issue 33 F11: 50% of recipe_state.pt zeroed at the same size resumed with exit 0 and other weights.
+    Now: one line naming the file, exit 2, before anything loads; nothing in the output_dir changes.
+    verify_checkpoint_hashes=false turns the content check off (sizes are still checked)."""
+    from test_checkpoint import damage_same_size
+
+    from torchtune_ext.config import validate
+
+    out = tmp_path / "out"
+    config = write_config(setup_yaml, out, "epochs=1", "max_steps_per_epoch=1")
+    assert tune(config).returncode == 0
+    state = out / "step_1" / "recipe_state.pt"
+    damage_same_size(state)
+    before = snapshot(out)
+    proc = tune(config, "resume_from_checkpoint=true")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert error_lines(proc) == [
+        f"error: config key 'resume_from_checkpoint': checkpoint '{out / 'step_1'}': 'recipe_state.pt' is damaged: "
+        "its content differs from what was saved (SHA-256 mismatch, same size). No earlier checkpoint of this run "
+        "is intact."]
+    assert snapshot(out) == before
+    cfg = OmegaConf.load(config)
+    cfg.resume_from_checkpoint = True
+    cfg.verify_checkpoint_hashes = False
+    validate(cfg)  # the check is off: sizes match
+
+
+@pytest.mark.parametrize("which", ["step_1", "step_2"], ids=["older", "newest"])
+def test_an_unreadable_step_folder_is_one_config_error_when_the_config_is_checked(setup_yaml, tmp_path, monkeypatch,
+                                                                                    which):
+    """Issue 33 F4: chmod 000 on a step folder gave a PermissionError traceback from validation (exit 1)."""
+    from test_checkpoint import deny
+
+    from torchtune_ext.config import validate
+
+    out = tmp_path / "out"
+    cfg = OmegaConf.load(write_config(setup_yaml, out))
+    for step in (1, 2):
+        (out / f"step_{step}").mkdir(parents=True)
+        (out / f"step_{step}" / "checkpoint.json").write_text(json.dumps({"step": step, "files": {}}))
+    cfg.resume_from_checkpoint = True
+    deny(monkeypatch, out / which)
+    with pytest.raises(ConfigError, match=rf"^config key 'output_dir': '{out / which}' cannot be read"):
+        validate(cfg)
+
+
+def test_a_disk_that_fills_during_a_step_stops_in_seconds_naming_the_checkpoint(setup_yaml, tmp_path):
+    """Issue 33 F3: the metrics write of step 5 fails with ENOSPC (tests/full_disk/sitecustomize.py, with W&B
+    on): exit 74 and one line naming step_4, the checkpoint to resume from, instead of an OSError traceback
+    (exit 1; 401 s to exit with W&B). The resume it names then finishes the run."""
+    import time
+
+    out = tmp_path / "out"
+    wandb = ["metric_logger._component_=torchtune.training.metric_logging.WandBLogger", "metric_logger.mode=offline",
+             "metric_logger.project=full-disk", f"metric_logger.log_dir={out / 'logs'}"]
+    config = write_config(setup_yaml, out, "save_every_n_steps=2", *wandb)
+    mark = tmp_path / "disk_full_at"
+    proc = tune(config, extra_env={"PYTHONPATH": f"{REPO_ROOT}:{REPO_ROOT / 'tests' / 'full_disk'}",
+                                   "FULL_DISK_AFTER_LINES": "4", "FULL_DISK_MARK": str(mark)})
+    seconds = time.time() - float(mark.read_text())  # from the failed write to the end of the `tune` command
+    assert proc.returncode == 74, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert error_lines(proc) == [
+        f"error: writing the metrics of step 5 to '{out / 'logs' / 'metrics.jsonl'}' failed (the disk is full): "
+        f"training stopped after step 5; resume from {out / 'step_4'}: free some space, then continue with "
+        "resume_from_checkpoint=true (step 5 is trained again)"]
+    print(f"{seconds:.1f} s from the failed write to the exit")
+    assert seconds < 15, seconds  # the exit does not wait on W&B (a loaded 2-core machine: ~3 s)
+    resumed = tune(config, "resume_from_checkpoint=true")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert sorted(resume_jobs.by_step(out)) == list(range(1, 13))
+
+
+def test_an_unreadable_output_dir_is_one_config_error_for_a_new_run(setup_yaml, tmp_path, monkeypatch):
+    """F4 for a run that does not resume: whether the folder holds checkpoints cannot be told."""
+    import errno
+    import os
+
+    from torchtune_ext.config import validate
+
+    out = tmp_path / "out"
+    cfg = OmegaConf.load(write_config(setup_yaml, out))
+    out.mkdir()
+    real = os.listdir
+
+    def listdir(path="."):
+        if str(path) == str(out):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real(path)
+
+    monkeypatch.setattr(os, "listdir", listdir)
+    with pytest.raises(ConfigError, match=rf"^config key 'output_dir': '{out}' cannot be read \(PermissionError: "):
+        validate(cfg)

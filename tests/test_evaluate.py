@@ -3,9 +3,11 @@
 The 1- and 2-rank (FSDP2) cases of the same claims are in test_distributed.py.
 """
 
+import json
 import logging
 import math
 import random
+import shutil
 from types import SimpleNamespace
 
 import numpy as np
@@ -14,8 +16,9 @@ import torch
 from omegaconf import OmegaConf
 
 from helpers import IGNORE, ConstantLossModel, constant_loss_sample, synthetic_val_dataset, tiny_model
+from torchtune_ext import evaluate as evaluate_module
 from torchtune_ext.accounting import TokenTotals, count_trainable_tokens
-from torchtune_ext.checkpoint import Progress
+from torchtune_ext.checkpoint import CheckpointManager, Progress, file_sha256
 from torchtune_ext.config import ConfigError
 from torchtune_ext.data import StepLoader, make_collate
 from torchtune_ext.evaluate import (
@@ -201,3 +204,154 @@ def test_base_model_of_a_lora_config():
     assert base_model_config(full) is full
     with pytest.raises(ConfigError, match="'model'"):
         base_model_config(OmegaConf.create({"_component_": "torchtune_ext.models.lora_nonexistent"}))
+
+
+# ---------------------------------------------------- the command's load checks (issue 33 F5)
+def truncate(folder):
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:len(weights.read_bytes()) // 2])
+
+
+def garbage_config(folder):
+    (folder / "config.json").write_text("{not json")
+
+
+def missing_config(folder):
+    (folder / "config.json").unlink()
+
+
+def other_head_count(folder):
+    hf = json.loads((folder / "config.json").read_text())
+    hf["num_attention_heads"] = 8
+    (folder / "config.json").write_text(json.dumps(hf))
+
+
+def garbage_tokenizer(folder):
+    (folder / "tokenizer.json").write_text("garbage")
+
+
+def another_model(folder):
+    """A folder of another, smaller model (other widths and layer count): the same family's key names."""
+    from safetensors.torch import save_file
+    from torchtune.models import convert_weights
+
+    from torchtune_ext.models import tiny_llama
+
+    model = tiny_llama(vocab_size=300, num_layers=3, embed_dim=48, num_heads=6, num_kv_heads=2, intermediate_dim=96)
+    hf = convert_weights.tune_to_hf(model.state_dict(), num_heads=6, num_kv_heads=2, dim=48)
+    save_file({k: v.contiguous() for k, v in hf.items()}, str(folder / "model.safetensors"))
+    config = json.loads((folder / "config.json").read_text())
+    config.update(hidden_size=48, num_attention_heads=6, num_key_value_heads=2, head_dim=8, num_hidden_layers=3,
+                  intermediate_size=96, vocab_size=300)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+@pytest.fixture
+def eval_folder(tiny_run):
+    """(config path, a copy of the tiny run's checkpoint folder to damage)."""
+    config = tiny_run()
+    folder = config.parent / "copy"
+    shutil.copytree(config.parent / "ckpt", folder)
+    return config, folder
+
+
+def run_command(capsys, config, folder, *overrides, options=()):
+    """``python -m torchtune_ext.evaluate`` in process on ``folder``'s weights and tokenizer (4 samples):
+    (exit status, the stderr lines that say "error:", stdout, all of stderr)."""
+    code = evaluate_module.main(["--config", str(config), "--dataset", "dataset", *options, "max_val_samples=4",
+                                 f"checkpointer.checkpoint_dir={folder}", f"tokenizer.path={folder}", *overrides])
+    captured = capsys.readouterr()
+    return code, [line for line in captured.err.splitlines() if "error:" in line], captured.out, captured.err
+
+
+@pytest.mark.parametrize("damage,key,words", [
+    (truncate, "checkpointer.checkpoint_dir", ["model.safetensors"]),
+    (garbage_config, "checkpointer.checkpoint_dir", ["JSONDecodeError"]),
+    (missing_config, "checkpointer.checkpoint_dir", ["config.json", "No such file"]),
+    (other_head_count, "checkpointer.checkpoint_dir", ["config.json' (num_attention_heads=8"]),
+    (garbage_tokenizer, "tokenizer.path", ["/copy'", "expected value at line 1 column 1", "not a tokenizer"]),
+    (another_model, "checkpointer.checkpoint_dir", ["does not fit the model torchtune_ext.models.tiny_llama",
+                                                    "'tok_embeddings.weight' has shape [300, 48] in the checkpoint"]),
+], ids=["truncated-weights", "garbage-config-json", "no-config-json", "head-count", "garbage-tokenizer",
+        "another-model"])
+def test_the_command_refuses_a_bad_folder_in_one_line(eval_folder, capsys, damage, key, words):
+    """Each gave a traceback (exit 1), and another model's folder an 8,352-byte line; now one short line, exit 2,
+    naming the key and the file, from the same checks the recipes run (CheckpointManager.load, load_model_state)."""
+    config, folder = eval_folder
+    damage(folder)
+    code, err, out, stderr = run_command(capsys, config, folder)
+    assert code == 2 and out == "" and "Traceback" not in stderr
+    assert len(err) == 1 and err[0].startswith(f"error: config key '{key}': "), err
+    for word in words:
+        assert word in err[0], err[0]
+    assert len(err[0]) < 600, len(err[0])
+    if key == "checkpointer.checkpoint_dir" and damage is not another_model:  # the recipes' message, word for word
+        cfg = OmegaConf.load(config)
+        cfg.checkpointer.checkpoint_dir = str(folder)
+        with pytest.raises(ConfigError) as recipe_error:
+            CheckpointManager(cfg.checkpointer, str(config.parent / "out")).load()
+        assert err[0] == f"error: {recipe_error.value}"
+
+
+def write_manifest(folder, step):
+    """Make ``folder`` look like a step folder a recipe saved: its manifest with sizes and SHA-256."""
+    files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()}
+    (folder / "checkpoint.json").write_text(json.dumps(
+        {"step": step, "files": files, "sha256": {name: file_sha256(folder / name) for name in files}}))
+
+
+def test_the_command_checks_a_step_folders_hashes(eval_folder, capsys):
+    """F11 for evaluate: same-size damage in a saved step folder is refused unless verify_checkpoint_hashes=false."""
+    config, folder = eval_folder
+    step = folder.parent / "out" / "step_3"
+    step.parent.mkdir()
+    folder.rename(step)
+    write_manifest(step, 3)
+    from test_checkpoint import damage_same_size
+
+    damage_same_size(step / "model.safetensors")  # weights zeroed, the header intact: it would load
+    code, err, _, _ = run_command(capsys, config, step)
+    assert code == 2 and err == [
+        f"error: config key 'checkpointer.checkpoint_dir': checkpoint '{step}': 'model.safetensors' is damaged: "
+        "its content differs from what was saved (SHA-256 mismatch, same size). No earlier checkpoint of this run "
+        "is intact."]
+    code, _, out, _ = run_command(capsys, config, step, "verify_checkpoint_hashes=false")
+    assert code == 0 and json.loads(out)["num_samples"] == 4
+
+
+# ------------------------------------------------------- where the result goes (issue 33 U6, F12)
+def test_the_result_goes_to_the_runs_logs_and_nothing_is_overwritten(eval_folder, capsys, monkeypatch):
+    """Without --output the result is written under the run's logs (never into the working directory), a
+    second evaluation beside the first; an --output file that exists is refused before anything loads."""
+    config, folder = eval_folder
+    step = folder.parent / "out" / "step_3"
+    step.parent.mkdir()
+    folder.rename(step)
+    write_manifest(step, 3)
+    code, err, out, stderr = run_command(capsys, config, step)
+    assert code == 0, err
+    first = step.parent / "logs" / "evaluate" / "step_3_dataset.json"
+    assert json.loads(first.read_text()) == json.loads(out)
+    assert f"Result written to {first}" in stderr
+    code, err, out, _ = run_command(capsys, config, step)
+    second = step.parent / "logs" / "evaluate" / "step_3_dataset.2.json"
+    assert code == 0 and json.loads(second.read_text()) == json.loads(out)
+    assert json.loads(first.read_text())["loss"] == json.loads(out)["loss"]
+
+    kept = first.read_text()
+    monkeypatch.setattr(evaluate_module, "evaluate_checkpoint", lambda *a: pytest.fail("loaded before refusing"))
+    code, err, out, _ = run_command(capsys, config, step, options=["--output", str(first)])
+    assert code == 2 and out == "" and err == [
+        f"error: --output '{first}' exists: nothing is overwritten; remove it or choose another file"]
+    assert first.read_text() == kept
+
+
+def test_a_result_written_into_the_repository_root_is_ignored_by_git():
+    """U6: `--output step_6.json` in the repository root showed up as a new file in `git status`."""
+    import subprocess
+
+    from helpers import REPO_ROOT
+
+    ignored = subprocess.run(["git", "check-ignore", "-q", "step_6.json"], cwd=REPO_ROOT)
+    kept = subprocess.run(["git", "check-ignore", "-q", "configs/step_6.json"], cwd=REPO_ROOT)
+    assert ignored.returncode == 0 and kept.returncode == 1  # only the root: configs may hold JSON files

@@ -1,9 +1,12 @@
 """Step records, the rank-aware JSONL logger, and what reaches W&B offline."""
 
+import errno
 import json
 import subprocess
 import sys
+import time
 
+import pytest
 import torch
 from omegaconf import OmegaConf
 
@@ -154,3 +157,115 @@ def test_log_lines_during_training_are_written_above_the_progress_bar(monkeypatc
     assert "0/3" in before  # the bar was drawn first
     assert before.endswith(("\r", "\n")), repr(before[-40:])
     assert metrics.log.handlers == [handler]
+
+
+# ------------------------------------------------------ a disk that fills during a step (issue 33 F3)
+class FullDiskFile:
+    """A JSONL file on a full disk: every write fails with ENOSPC."""
+
+    def __init__(self):
+        self.closed = False
+
+    def write(self, text):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def close(self):
+        self.closed = True
+
+
+class SlowClosingBackend(RecordingBackend):
+    """W&B with the disk full: closing waits on its service's writes for minutes (401 s in the issue)."""
+
+    def close(self):
+        time.sleep(60)
+
+
+def fake_checkpoint(output_dir, step):
+    folder = output_dir / f"step_{step}"
+    folder.mkdir(parents=True)
+    (folder / "checkpoint.json").write_text(json.dumps({"step": step, "files": {}}))
+    return folder
+
+
+def test_a_full_disk_while_logging_a_step_stops_within_seconds_naming_the_checkpoint(tmp_path, monkeypatch):
+    from torchtune_ext import metrics
+    from torchtune_ext.checkpoint import CheckpointSaveError, OutputWriteError
+
+    monkeypatch.setattr(metrics, "BACKEND_CLOSE_TIMEOUT_S", 0.5)
+    latest = fake_checkpoint(tmp_path, 4)
+    fake_checkpoint(tmp_path, 2)
+    logger = MetricLogger(tmp_path / "logs" / "metrics.jsonl", SlowClosingBackend(), rank=0)
+    logger.log({"step": 5, "loss": 1.0})
+    logger._jsonl.close()
+    logger._jsonl = full = FullDiskFile()
+    start = time.monotonic()
+    with pytest.raises(OutputWriteError) as err:
+        logger.log({"step": 7, "loss": 1.0})
+    assert time.monotonic() - start < 5  # not waiting for the backend's close
+    assert isinstance(err.value, CheckpointSaveError)  # the recipes exit with 74, as for a failed save
+    assert str(err.value) == (
+        f"writing the metrics of step 7 to '{tmp_path / 'logs' / 'metrics.jsonl'}' failed (the disk is full): "
+        f"training stopped after step 7; resume from {latest}: free some space, then continue with "
+        "resume_from_checkpoint=true (steps 5-7 are trained again)")
+    assert full.closed
+    logger.close()  # nothing more to write: the recipe's cleanup does not fail again
+
+
+def test_a_write_error_other_than_a_full_disk_and_no_checkpoint_yet(tmp_path):
+    from torchtune_ext.checkpoint import OutputWriteError
+
+    logger = MetricLogger(tmp_path / "logs" / "metrics.jsonl", None, rank=0)
+    logger._jsonl.close()
+    logger._jsonl = FullDiskFile()
+    logger._jsonl.write = lambda text: (_ for _ in ()).throw(OSError(errno.EIO, "Input/output error"))
+    with pytest.raises(OutputWriteError, match=r"^writing the metrics of step 1 to '.*metrics.jsonl' failed "
+                       r"\(OSError: \[Errno 5\] Input/output error\): training stopped after step 1; no checkpoint "
+                       r"of this run exists yet: fix the cause, then start the run again$"):
+        logger.log({"step": 1})
+
+
+def test_a_full_disk_when_the_run_has_finished_says_what_is_complete(tmp_path):
+    """W&B's disk filled during training (its service fails quietly): the closing charts fail. Training is over;
+    the error says so, and that the final checkpoint and every step's metrics are there."""
+    from torchtune_ext.checkpoint import OutputWriteError
+
+    latest = fake_checkpoint(tmp_path, 12)
+
+    class FullDiskBackend(RecordingBackend):
+        def close(self):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    logger = MetricLogger(tmp_path / "logs" / "metrics.jsonl", FullDiskBackend(), rank=0)
+    logger.log({"step": 12, "loss": 1.0})
+    with pytest.raises(OutputWriteError) as err:
+        logger.close()
+    assert str(err.value) == (
+        "writing the metric logger's last records failed (the disk is full) after training finished: "
+        f"{latest} is complete, and every step's metrics are in {tmp_path / 'logs' / 'metrics.jsonl'}; "
+        "free some space")
+
+
+# ----------------------------------------------- the learning rate at full precision (issue 33 U6)
+def test_lr_is_logged_at_full_precision_and_the_last_step_line_shows_it(tmp_path, caplog):
+    """W&B's console run summary printed "lr 0.0" for 2.9e-06: it rounds every float to 5 decimals. The value
+    logged is the optimizer's, to the last bit, in the JSONL file and in W&B's history; the run's own last
+    line shows it in 3 significant figures."""
+    import logging
+
+    from torchtune_ext.metrics import StepReporter
+
+    lr = 2.9e-06 * (1 + 1e-12)  # not a round number: any rounding on the way would show
+    cfg = OmegaConf.create({"output_dir": str(tmp_path), "metric_logger": {
+        "_component_": "torchtune.training.metric_logging.WandBLogger", "project": "test", "mode": "offline",
+        "log_dir": str(tmp_path / "logs")}})
+    logger = build_metric_logger(cfg, rank=0)
+    reporter = StepReporter(logger, CPU, total_steps=1, log_peak_memory=False)
+    reporter.start_step()
+    reporter.end_step(StepResult(loss=1.5, num_tokens=30, local_num_tokens=30, grad_norm=0.25), step=1, epoch=0,
+                      lr=lr, skipped_steps=0)
+    with caplog.at_level(logging.INFO):
+        reporter.close()
+    logger.close()
+    assert json.loads((tmp_path / "logs" / "metrics.jsonl").read_text())["lr"] == lr
+    assert [r["lr"] for r in read_offline_run(str(tmp_path / "logs"))["history"] if "lr" in r] == [lr]
+    assert "Last optimizer step 1: loss 1.5000, lr 2.9e-06, grad_norm 0.25, " in caplog.text

@@ -5,9 +5,11 @@ samples, 4 per step) with a real SIGTERM, resumes it with a changed setting
 and compares with the uninterrupted run.
 """
 
+import gc
 import logging
 
 import pytest
+import torch
 
 import resume_jobs
 from torchtune_ext.config import ConfigError
@@ -144,3 +146,137 @@ def test_each_start_keeps_its_config(setup_yaml, tmp_path):
     assert [p.name for p in configs] == ["config_0.yaml", "config_1.yaml"]
     assert "lr: 0.01" in configs[0].read_text() and "lr: 0.002" in configs[1].read_text()
     assert configs[1].read_text().startswith("# start 1 of the run in this output_dir: resumed")
+
+
+def test_lowering_max_steps_per_epoch_below_the_step_reached_ends_the_epoch_and_says_so(setup_yaml, tmp_path,
+                                                                                          caplog):
+    """Issue 33 F12: stopped after step 2 of epoch 0 (of 1), resumed with max_steps_per_epoch=1: the epoch is over.
+    The log said "finished 0 epoch(s) ... raise epochs" and called the key "not applied" though it ended the epoch."""
+    out = tmp_path / "out"
+    stopped_at_2(setup_yaml, out, "epochs=1")
+    with caplog.at_level(logging.INFO):
+        got = resume(setup_yaml, out, "epochs=1", "max_steps_per_epoch=1", "optimizer.lr=0.002")
+    assert sorted(got) == [1, 2]
+    said = [m for m in messages(caplog) if "Nothing is left to train" in m or "changed settings" in m]
+    assert said == ["Nothing is left to train: max_steps_per_epoch=1 ends epoch 0, the last of epochs=1, and the "
+                    "checkpoint (step 2) has run 2 optimizer steps of it; raise max_steps_per_epoch or epochs to "
+                    "train more. Changed settings, applied: max_steps_per_epoch None -> 1 (the epoch ends here); "
+                    "not applied, as no step is left: optimizer.lr 0.01 -> 0.002"]
+
+
+# ------------------------------------------------------- resumes another model cannot continue (issue 33 F8, F9)
+def lora_stopped_at_2(setup_yaml, out):
+    cfg = resume_jobs.config(setup_yaml, "lora_single", out)
+    assert resume_jobs.run("lora_single", cfg, stop_after=2) == STOPPED_EXIT_STATUS
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("model.lora_attn_modules=[q_proj]", "model.lora_attn_modules ['q_proj', 'v_proj'] -> ['q_proj']"),
+    ("model.lora_rank=8", "model.lora_rank 4 -> 8"),
+    ("model.apply_lora_to_mlp=false", "model.apply_lora_to_mlp True -> False"),
+], ids=["attn-modules", "rank", "mlp"])
+def test_a_lora_resume_with_another_adapter_shape_is_one_line(setup_yaml, tmp_path, override, expected):
+    """F8: other lora_attn_modules raised an AssertionError ("Unexpected key loading adapter"); F9: another
+    lora_rank printed torch's whole size-mismatch list (424 lines). Refused before anything loads."""
+    out = tmp_path / "out"
+    lora_stopped_at_2(setup_yaml, out)
+    cfg = resume_jobs.config(setup_yaml, "lora_single", out, override, "resume_from_checkpoint=true")
+    with pytest.raises(ConfigError) as err:
+        resume_jobs.run("lora_single", cfg)
+    message = str(err.value)
+    assert message.startswith(f"config key 'model': the adapter in '{out / 'step_2'}' was trained with other LoRA "
+                              f"settings ({expected}), so its weights do not fit this model; resume with the "
+                              "settings it was trained with, or start a new run in another output_dir"), message
+    assert "\n" not in message
+
+
+def test_the_full_recipe_refuses_a_lora_checkpoint_in_one_line(setup_yaml, tmp_path):
+    """F8: the full recipe resuming a LoRA folder failed with a ValueError on the optimizer's parameter groups.
+    Refused from the saved config before anything loads; a checkpoint of an earlier version, without a saved
+    config, is refused when the checkpoint is opened (it holds an adapter), before the model loads."""
+    out = tmp_path / "out"
+    lora_stopped_at_2(setup_yaml, out)
+    cfg = resume_jobs.config(setup_yaml, "full_single", out, "resume_from_checkpoint=true")
+    with pytest.raises(ConfigError) as err:
+        resume_jobs.run("full_single", cfg)
+    assert str(err.value) == (
+        f"config key 'resume_from_checkpoint': '{out / 'step_2'}' was written by a LoRA recipe (model "
+        "torchtune.models.llama3_2.lora_llama3_2): its optimizer state is the adapter's, which a full fine-tune "
+        "cannot continue; resume it with a LoRA recipe (recipes/lora_finetune_single_device.py)")
+    del err  # its traceback holds the failed recipe, whose open lock file keeps output_dir in use
+    gc.collect()
+
+    rewrite_recipe_state(out / "step_2", lambda state: state.pop("config"))
+    with pytest.raises(ConfigError, match=rf"^config key 'resume_from_checkpoint': '{out / 'step_2'}' was written "
+                       r"by a LoRA recipe \(it holds adapter/adapter_model.pt\): its optimizer state is the "
+                       "adapter's, which a full fine-tune cannot continue; resume it with a LoRA recipe$"):
+        resume_jobs.run("full_single", cfg)
+
+
+def test_a_lora_recipe_refuses_a_full_checkpoint_in_one_line(setup_yaml, tmp_path):
+    out = tmp_path / "out"
+    stopped_at_2(setup_yaml, out)
+    cfg = resume_jobs.config(setup_yaml, "lora_single", out, "resume_from_checkpoint=true")
+    with pytest.raises(ConfigError, match=rf"^config key 'resume_from_checkpoint': '{out / 'step_2'}' was written "
+                       r"by a full fine-tune \(model torchtune.models.llama3_2.llama3_2\): it holds no adapter to "
+                       r"continue; resume it with recipes/full_finetune_single_device.py, or train a LoRA adapter on "
+                       rf"its weights in a new output_dir with checkpointer.checkpoint_dir={out / 'step_2'}$"):
+        resume_jobs.run("lora_single", cfg)
+
+
+def rewrite_recipe_state(folder, change):
+    """Apply ``change`` to a checkpoint's recipe_state.pt, keeping its manifest true (sizes and hashes)."""
+    import json
+
+    import torch
+
+    from torchtune_ext.checkpoint import file_sha256
+
+    path = folder / "recipe_state.pt"
+    state = torch.load(path, weights_only=False)
+    change(state)
+    torch.save(state, path)
+    manifest = json.loads((folder / "checkpoint.json").read_text())
+    manifest["files"]["recipe_state.pt"] = path.stat().st_size
+    manifest["sha256"]["recipe_state.pt"] = file_sha256(path)
+    (folder / "checkpoint.json").write_text(json.dumps(manifest))
+
+
+def test_a_lora_checkpoint_without_a_saved_config_and_another_rank_is_one_line(setup_yaml, tmp_path):
+    """Checkpoints of earlier versions hold no config: the adapter is checked when it loads (F9's 424 lines)."""
+    from torchtune_ext.checkpoint import check_adapter_fits, load_recipe_state
+    from torchtune_ext.models import instantiate_lora_model
+
+    out = tmp_path / "out"
+    lora_stopped_at_2(setup_yaml, out)
+    adapter = torch.load(out / "step_2" / "adapter" / "adapter_model.pt", weights_only=True)
+    cfg = resume_jobs.config(setup_yaml, "lora_single", out, "model.lora_rank=8", "model.lora_attn_modules=[q_proj]",
+                             "resume_from_checkpoint=true")
+    model = instantiate_lora_model(cfg.model, torch.float32, torch.device("meta"))
+    with pytest.raises(ConfigError) as err:
+        check_adapter_fits(model.state_dict(), adapter, out / "step_2")
+    assert str(err.value) == (
+        f"config key 'resume_from_checkpoint': the adapter in '{out / 'step_2'}' does not fit this model's LoRA "
+        "settings: 'layers.0.attn.q_proj.lora_a.weight' has shape [4, 32] in the saved adapter, [8, 32] in the "
+        "model (19 more of 20 adapter tensors differ); resume with the LoRA settings (model.lora_rank, "
+        "lora_attn_modules, apply_lora_to_mlp, apply_lora_to_output, use_dora) it was trained with")
+    same = resume_jobs.config(setup_yaml, "lora_single", out, "resume_from_checkpoint=true")
+    check_adapter_fits(instantiate_lora_model(same.model, torch.float32, torch.device("meta")).state_dict(),
+                       adapter, out / "step_2")  # the settings it was trained with: fits
+    assert load_recipe_state(out / "step_2").path == out / "step_2"
+
+
+def test_an_optimizer_state_that_does_not_fit_is_one_line(setup_yaml, tmp_path):
+    """Whatever else gets past the checks (an earlier version's checkpoint of another model): no traceback."""
+    from torchtune_ext.checkpoint import load_recipe_state
+    from torchtune_ext.resume import restore_training
+
+    out = tmp_path / "out"
+    stopped_at_2(setup_yaml, out)
+    resumed = load_recipe_state(out / "step_2")
+    cfg = resume_jobs.config(setup_yaml, "full_single", out, "resume_from_checkpoint=true")
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))])
+    with pytest.raises(ConfigError, match=rf"^config key 'resume_from_checkpoint': the optimizer state in "
+                       rf"'{out / 'step_2'}' does not fit the parameters this run trains \(ValueError: .*\); was "
+                       "it written by another recipe"):
+        restore_training(resumed, cfg, optimizer, None)

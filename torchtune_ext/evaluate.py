@@ -31,6 +31,14 @@ A checkpoint folder can be evaluated on its own, with the same numbers::
 
     python -m torchtune_ext.evaluate --config <recipe config> \\
         checkpointer.checkpoint_dir=<output_dir>/step_<N> [--output result.json] [key=value ...]
+
+It loads the folder with the recipes' own checks (:class:`~torchtune_ext.checkpoint.CheckpointManager`'s
+load, :func:`~torchtune_ext.checkpoint.load_model_state` against the configured model,
+:func:`~torchtune_ext.models.build_tokenizer`; a step folder is first checked against its
+manifest, sizes and SHA-256), so a bad folder is one line and exit status 2. The JSON result
+is printed and written to ``--output``, by default to the run's
+``logs/evaluate/<folder>_<dataset>.json`` (a second evaluation of the same folder goes beside
+the first, never over it); an ``--output`` file that exists is refused.
 """
 
 import argparse
@@ -39,6 +47,7 @@ import importlib
 import json
 import logging
 import math
+import os
 import random
 import sys
 import tempfile
@@ -56,11 +65,13 @@ from torch.utils.data import Dataset, Subset
 from torchtune import utils
 
 from torchtune_ext.accounting import TokenTally, TokenTotals, count_trainable_tokens
-from torchtune_ext.checkpoint import ADAPTER_WEIGHTS, MANIFEST, Progress
-from torchtune_ext.config import ConfigError, validation_enabled
+from torchtune_ext.checkpoint import ADAPTER_WEIGHTS, MANIFEST, CheckpointManager, Progress, verify_checkpoint
+from torchtune_ext.config import COMMON_KEYS, ConfigError, UserError, validation_enabled
 from torchtune_ext.data import StepLoader, build_dataset, make_collate
 from torchtune_ext.loss import SummedCrossEntropyLoss, shift_labels
+from torchtune_ext.models import build_tokenizer
 from torchtune_ext.step import forward_sums, prepare_micro_batch
+from torchtune_ext.upstream import describe_model
 
 log = utils.get_logger("INFO")
 
@@ -309,15 +320,20 @@ def prepare_checkpoint_config(cfg: DictConfig) -> DictConfig:
     LoRA configs get their plain model (:func:`base_model_config`): a LoRA step
     folder holds the merged model, a base folder the base model.
 
+    The folder is checked against its manifest first: sizes, and the SHA-256 of
+    every file unless ``verify_checkpoint_hashes`` is false.
+
     Raises:
         ConfigError: (key ``checkpointer.checkpoint_dir``) if the folder holds
-            only a LoRA adapter (``save_adapter_weights_only=true``).
+            only a LoRA adapter (``save_adapter_weights_only=true``) or does not
+            match its manifest.
     """
     cfg = cfg.copy()
     folder = Path(str(cfg.checkpointer.get("checkpoint_dir")))
-    manifest = folder / MANIFEST
-    if manifest.is_file():
-        files = json.loads(manifest.read_text())["files"]
+    if (folder / MANIFEST).is_file():
+        verify = cfg.get("verify_checkpoint_hashes", COMMON_KEYS["verify_checkpoint_hashes"].default)
+        COMMON_KEYS["verify_checkpoint_hashes"].check("verify_checkpoint_hashes", verify)
+        files = verify_checkpoint(folder, content=verify, key="checkpointer.checkpoint_dir")["files"]
         weights = sorted(n for n in files if n.endswith(".safetensors") and not n.startswith("adapter"))
         if not weights:
             hint = " (saved with save_adapter_weights_only=true)" if ADAPTER_WEIGHTS in files else ""
@@ -365,14 +381,17 @@ def load_checkpoint_for_evaluation(cfg: DictConfig, dataset_key: Optional[str] =
     device = utils.get_device(None if cfg.device == "auto" else cfg.device)
     dtype = training.get_dtype(cfg.dtype, device=device)
 
-    tokenizer = tt_config.instantiate(cfg.tokenizer)
+    tokenizer = build_tokenizer(cfg.tokenizer)
     loss_fn = build_loss(cfg.loss)
     loader = build_eval_loader(cfg, tokenizer, key, ignore_index=loss_fn.ignore_index)  # data first: fails early
     with tempfile.TemporaryDirectory() as scratch:  # the checkpointer wants an output folder; it writes nothing here
-        state = tt_config.instantiate(cfg.checkpointer, output_dir=scratch).load_checkpoint()[training.MODEL_KEY]
+        # the recipes' load, with their one-line errors (truncated weights, a config.json that is garbage,
+        # missing or does not fit the weights)
+        state = CheckpointManager(cfg.checkpointer, scratch).load()[training.MODEL_KEY]
     with training.set_default_dtype(dtype), device:
         model = tt_config.instantiate(cfg.model)
-    load_model_state(model, state, str(cfg.checkpointer.checkpoint_dir))
+    # another model's folder: its first mismatching key, not torch's list of every key
+    load_model_state(model, state, str(cfg.checkpointer.checkpoint_dir), model_name=describe_model(cfg))
     del state
     loss_fn.take_output_projection(model)  # the model returns hidden states; the loss projects
     return CheckpointEvaluation(cfg, key, model, loss_fn, loader, device)
@@ -396,8 +415,53 @@ def evaluate_checkpoint(cfg: DictConfig, dataset_key: Optional[str] = None) -> D
     return {"checkpoint_dir": folder, "dataset": run.dataset_key, **result.metrics()}
 
 
+def default_output(cfg: DictConfig, dataset_key: str) -> Optional[Path]:
+    """Where the command writes its result without ``--output``: the run's ``logs/evaluate/`` folder.
+
+    For a step folder a recipe saved (it has a manifest), the logs of the run
+    it belongs to (its parent folder); for another folder, those of the
+    config's ``output_dir``; None if the config has none. The file is
+    ``<folder name>_<dataset key>.json``; when that exists, ``.2.json``,
+    ``.3.json``, ...: an earlier result is never overwritten.
+    """
+    folder = Path(str(cfg.checkpointer.checkpoint_dir))
+    if (folder / MANIFEST).is_file():
+        run_dir = folder.parent
+    elif cfg.get("output_dir"):
+        run_dir = Path(str(cfg.output_dir))
+    else:
+        return None
+    target = run_dir / "logs" / "evaluate" / f"{folder.resolve().name}_{dataset_key}.json"
+    index = 1
+    while target.exists():
+        index += 1
+        target = target.with_name(f"{folder.resolve().name}_{dataset_key}.{index}.json")
+    return target
+
+
+def _check_output(path: str) -> Optional[str]:
+    """Why ``--output`` cannot be written, checked before any work (None: it can)."""
+    if os.path.lexists(path):
+        return f"--output '{path}' exists: nothing is overwritten; remove it or choose another file"
+    parent = Path(path).parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"--output '{path}' cannot be created: '{parent}' is a file"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"--output '{path}' cannot be created: '{parent}' is not writable"
+    return None
+
+
+def _write_result(path: Path, text: str) -> None:
+    """Write ``text`` to a new file (exclusive create: a file that appeared since the check is not overwritten)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "x") as f:
+        f.write(text + "\n")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
-    """``python -m torchtune_ext.evaluate``: print (and optionally write) one JSON object; exit 2 on a config error."""
+    """``python -m torchtune_ext.evaluate``: print and write one JSON object; exit 2 on bad input."""
     parser = argparse.ArgumentParser(
         prog="python -m torchtune_ext.evaluate",
         description="Evaluate a checkpoint folder on a dataset of a recipe config: exact loss, perplexity, "
@@ -405,7 +469,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--config", required=True, help="a recipe config (YAML)")
     parser.add_argument("--dataset", choices=("dataset_val", "dataset"), default=None,
                         help="the config key of the dataset to evaluate on (default: dataset_val if set, else dataset)")
-    parser.add_argument("--output", default=None, help="also write the JSON result to this file")
+    parser.add_argument("--output", default=None,
+                        help="write the JSON result to this new file (default: the run's "
+                             "logs/evaluate/<folder>_<dataset>.json; an existing file is never overwritten)")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="config overrides, e.g. checkpointer.checkpoint_dir=outputs/run/step_6")
     args = parser.parse_args(argv)
@@ -415,17 +481,30 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not Path(args.config).is_file():
         print(f"error: --config '{args.config}' does not exist", file=sys.stderr)
         return 2
+    refused = _check_output(args.output) if args.output else None
+    if refused:
+        print(f"error: {refused}", file=sys.stderr)
+        return 2
     try:
         cfg = OmegaConf.merge(OmegaConf.load(args.config), OmegaConf.from_dotlist(args.overrides))
         result = evaluate_checkpoint(cfg, args.dataset)
-    except ConfigError as err:
+    except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     text = json.dumps(result)
     print(text)
-    if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(text + "\n")
+    output = Path(args.output) if args.output else default_output(cfg, result["dataset"])
+    if output is None:
+        print("The result is not written to a file (the config has no output_dir): --output FILE writes it",
+              file=sys.stderr)
+        return 0
+    try:
+        _write_result(output, text)
+    except OSError as err:
+        print(f"error: the result could not be written to '{output}' ({type(err).__name__}: {err}); it is "
+              "printed above", file=sys.stderr)
+        return 74  # EX_IOERR, as a failed checkpoint save
+    print(f"Result written to {output}", file=sys.stderr)
     return 0
 
 

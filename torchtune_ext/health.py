@@ -53,6 +53,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from torchtune_ext.config import ConfigError
+
 log = logging.getLogger(__name__)
 
 # With skip_nonfinite_steps, this many non-finite steps in a row stop the run:
@@ -263,7 +265,10 @@ class StepHealth:
         from torchtune_ext.checkpoint import list_checkpoints
 
         suspect_from = self._suspect_from if self._suspect_from is not None else self.last_step
-        found = [(int(p.name.split("_")[1]), p) for p in list_checkpoints(self.output_dir)]
+        try:
+            found = [(int(p.name.split("_")[1]), p) for p in list_checkpoints(self.output_dir)]
+        except ConfigError as err:  # a folder that cannot be read must not hide why training stopped
+            return f". The checkpoints cannot be listed ({err})" + extra
         before = [p for s, p in found if s < suspect_from]
         after = [Path(p).name for s, p in found if s >= suspect_from]
         text = f". Last checkpoint from before the damage: {before[-1] if before else 'none (only the base model)'}"

@@ -9,9 +9,11 @@ no rank branches.
 """
 
 import contextlib
+import functools
 import json
 import os
 import resource
+import sys
 import threading
 import time
 from pathlib import Path
@@ -24,13 +26,17 @@ from torchtune import config as tt_config
 from torchtune import utils
 
 from torchtune_ext import flops as flops_lib
+from torchtune_ext.checkpoint import write_failed
 from torchtune_ext.config import ConfigError, enabled
 from torchtune_ext.flops import ModelFlops
+from torchtune_ext.launch import EXIT_IO_ERROR
 from torchtune_ext.step import StepResult
 
 log = utils.get_logger("INFO")  # torchtune's: the recipes show its INFO lines
 
 GIB = 1024**3
+# After a failed write, how long the metric logger's backend may take to close before the run exits anyway.
+BACKEND_CLOSE_TIMEOUT_S = 5.0
 
 
 class _RssSampler:
@@ -342,27 +348,82 @@ class MetricLogger:
                 first.write_bytes(kept)
 
     def log(self, record: Mapping[str, Any]) -> None:
-        """Append ``record`` (must hold ``step``) to the JSONL file and the backend."""
+        """Append ``record`` (must hold ``step``) to the JSONL file and the backend.
+
+        Raises:
+            OutputWriteError: a write failed (a full disk: ``OSError`` ENOSPC); the
+                message names the checkpoint to resume from. The recipes exit with 74.
+        """
         if not self._active:
             return
-        self._jsonl.write(json.dumps(dict(record)) + "\n")
-        self._jsonl.flush()
-        os.fsync(self._jsonl.fileno())
+        try:
+            self._jsonl.write(json.dumps(dict(record)) + "\n")
+            self._jsonl.flush()
+            os.fsync(self._jsonl.fileno())
+        except OSError as err:
+            raise self._failed(f"the metrics of step {record['step']} to '{self._path}'", record["step"], err) from err
         if self._backend is not None:
             payload = {k: v for k, v in record.items() if k != "step" and v is not None}
-            self._backend.log_dict(payload, step=record["step"])
+            try:
+                self._backend.log_dict(payload, step=record["step"])
+            except OSError as err:
+                raise self._failed(f"the metrics of step {record['step']} to the metric logger", record["step"],
+                                   err) from err
+
+    def _failed(self, what: str, step: int, err: OSError):
+        """Stop writing (a full disk refuses the rest too) and end the backend now, without waiting on a write."""
+        jsonl, self._jsonl, self._wandb_charts = self._jsonl, None, False
+        try:
+            jsonl.close()
+        except OSError:
+            pass  # its buffered line cannot be written either
+        self._abandon_backend()
+        return write_failed(what, self._logs.parent, err, step)
+
+    def _abandon_backend(self) -> None:
+        """Close the backend, waiting at most :data:`BACKEND_CLOSE_TIMEOUT_S` seconds, then go on without it.
+
+        W&B's ``finish`` waits for its service to write the run out, which on a
+        full disk may not end (issue 33 saw 401 s from the failure to the exit);
+        the run ends as failed (exit code 74) when it can. A W&B run still
+        closing when the process exits is left incomplete on disk, as after a kill.
+        """
+        backend, self._backend = self._backend, None
+        if backend is None:
+            return
+        wandb = sys.modules.get("wandb")
+        if wandb is not None and getattr(wandb, "run", None) is not None:  # a W&B run: marked failed, as the exit
+            close = functools.partial(wandb.finish, exit_code=EXIT_IO_ERROR)
+        else:
+            close = backend.close
+        closer = threading.Thread(target=close, daemon=True, name="metric-logger-close")
+        closer.start()
+        closer.join(BACKEND_CLOSE_TIMEOUT_S)
 
     def close(self) -> None:
-        if self._jsonl is not None:
-            self._jsonl.close()
-            self._jsonl = None
-        if self._wandb_charts:
-            with open(self._path) as f:
-                log_wandb_loss_charts(json.loads(line) for line in f if line.strip())
-            self._wandb_charts = False
-        if self._backend is not None:
-            self._backend.close()
-            self._backend = None
+        """Close the JSONL file and the backend (W&B: after logging the combined loss charts).
+
+        Raises:
+            OutputWriteError: a closing write failed (the disk is full); the
+                message says that training finished and names the newest checkpoint.
+        """
+        what = f"'{self._path}'"
+        try:
+            if self._jsonl is not None:
+                jsonl, self._jsonl = self._jsonl, None
+                jsonl.close()
+            what = "the loss charts to the metric logger"
+            if self._wandb_charts:
+                self._wandb_charts = False
+                with open(self._path) as f:
+                    log_wandb_loss_charts(json.loads(line) for line in f if line.strip())
+            what = "the metric logger's last records"
+            if self._backend is not None:
+                backend, self._backend = self._backend, None
+                backend.close()
+        except OSError as err:
+            self._abandon_backend()
+            raise write_failed(what, self._logs.parent, err, finished=True) from err
 
 
 def _end_wandb_service() -> None:
@@ -475,6 +536,7 @@ class StepReporter:
             if self._peak is not None:
                 log.info("MFU against %.3g TFLOP/s per device (%s).", self._peak, source)
         self._bar = tqdm(total=total_steps, initial=initial_step, dynamic_ncols=True, disable=rank != 0)
+        self._last: Optional[Dict[str, Any]] = None
         # Log lines during training (the memory guard's, checkpoint saves) would otherwise land on the
         # bar's line: tqdm's redirect writes the console handlers' lines above the bar until close().
         self._console = contextlib.ExitStack()
@@ -498,13 +560,37 @@ class StepReporter:
             self._logger.log(record)
         self._bar.update(1)
         self._bar.set_description(progress_description(record))
+        self._last = record
         return record
 
     def close(self) -> None:
+        """Close the bar (and the profiler); log the last step's line (rank 0), ``lr`` in 3 significant figures.
+
+        W&B's console run summary rounds every float to 5 decimals (a learning rate
+        of 2.9e-06 shows as 0.0); the value logged, in W&B and ``metrics.jsonl``, is
+        the optimizer's own.
+        """
+        shown = not self._bar.disable  # rank 0 (tqdm's close sets disable)
         self._bar.close()
         self._console.close()
         if self._profiler is not None:
             self._profiler.stop()
+        if self._last is not None and shown:
+            log.info(last_step_line(self._last))
+
+
+def last_step_line(record: Mapping[str, Any]) -> str:
+    """``Last optimizer step 12: loss 1.2346, lr 2.9e-06, grad_norm 0.531, 1,234 tokens/s`` (what is in the record)."""
+    parts = []
+    if record.get("loss") is not None:
+        parts.append(f"loss {record['loss']:.4f}")
+    if record.get("lr") is not None:
+        parts.append(f"lr {record['lr']:.3g}")
+    if record.get("grad_norm") is not None:
+        parts.append(f"grad_norm {record['grad_norm']:.3g}")
+    parts.append(f"{record['tokens_per_second']:,.0f} tokens/s")
+    skipped = " (skipped)" if record.get("loss") is None else ""
+    return f"Last optimizer step {record['step']}{skipped}: {', '.join(parts)}"
 
 
 def progress_description(record: Mapping[str, Any]) -> str:
@@ -519,6 +605,7 @@ __all__ = [
     "StepTimer",
     "build_metric_logger",
     "define_wandb_axes",
+    "last_step_line",
     "log_wandb_loss_charts",
     "loss_curves",
     "lifetime_peak_rss_bytes",

@@ -12,11 +12,16 @@ handling and checkpoint key names (model type ``LLAMA3_2``).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
+from torchtune import config as tt_config
 from torchtune.models.llama3_2._component_builders import llama3_2, lora_llama3_2
 from torchtune.modules import TransformerDecoder
 from torchtune.modules.peft import LORA_ATTN_MODULES
+
+from torchtune_ext.config import ConfigError, UserError, lora_settings
 
 # Plain RoPE; see the module docstring.
 _NO_ROPE_SCALING = 1
@@ -248,8 +253,6 @@ NF4_BLOCK = 64 * 256
 
 def quantizes_base(cfg_model) -> bool:
     """Whether a ``model`` config is a QLoRA model (``quantize_base``, or a ``qlora_*`` builder)."""
-    from torchtune_ext.config import ConfigError, lora_settings
-
     try:
         return lora_settings(cfg_model).quantize_base
     except ConfigError:  # not a LoRA model
@@ -258,8 +261,6 @@ def quantizes_base(cfg_model) -> bool:
 
 def nf4_error(err: BaseException):
     """The config error for torchao's NF4 refusing a weight shape (``AssertionError`` from ``to_nf4``)."""
-    from torchtune_ext.config import ConfigError
-
     return ConfigError("model.quantize_base", f"torchao's NF4 cannot quantize this model's weights ({err}): it "
                        f"needs each weight's size to be a multiple of {NF4_BLOCK:,} values; use quantize_base=false "
                        "(LoRA) for this model")
@@ -283,3 +284,44 @@ def instantiate_lora_model(cfg_model, dtype, device) -> TransformerDecoder:
             if quantizes_base(cfg_model):
                 raise nf4_error(err) from None
             raise
+
+
+# The keys of torchtune's tokenizer builders that name files: llama3/gemma/mistral/phi `path`, qwen
+# `path` (vocab) and `merges_file`, phi4 `vocab_path`/`merges_path`, HF `tokenizer_json_path`.
+_TOKENIZER_FILE_KEYS = ("path", "tokenizer_json_path", "vocab_path", "merges_file", "merges_path",
+                        "special_tokens_path")
+
+
+def build_tokenizer(cfg_tokenizer: Any) -> Any:
+    """Build the config's ``tokenizer``; files it cannot read are a config error, not a traceback.
+
+    The one tokenizer load the recipes and ``python -m torchtune_ext.evaluate``
+    share: a file that exists but is not a tokenizer (a truncated or garbage
+    ``tokenizer.json``, another format) fails inside the tokenizers library
+    with a bare ``Exception`` that names neither the key nor the file.
+
+    Args:
+        cfg_tokenizer: the ``tokenizer`` config (``_component_`` plus its arguments).
+
+    Returns:
+        the tokenizer (a torchtune ``ModelTokenizer``).
+
+    Raises:
+        UserError: the builder's own (a missing asset names the download command);
+        ConfigError: (key ``tokenizer.path`` or the file key the config
+            gives) naming the file and the reader's error.
+    """
+    try:
+        return tt_config.instantiate(cfg_tokenizer)
+    except UserError:
+        raise
+    except Exception as err:
+        given = [k for k in _TOKENIZER_FILE_KEYS if cfg_tokenizer.get(k) is not None]
+        key = f"tokenizer.{given[0]}" if given else "tokenizer"
+        files = ", ".join(f"{k}='{cfg_tokenizer[k]}'" for k in given) or "its arguments"
+        reason = " ".join(str(err).split()) or "no message"
+        why = ("a file it needs is missing" if isinstance(err, FileNotFoundError)
+               else "the file is damaged or not a tokenizer of this kind")
+        raise ConfigError(key, f"{cfg_tokenizer.get('_component_')} cannot build a tokenizer from {files} "
+                          f"({type(err).__name__}: {reason}): {why}; point it at the model's own tokenizer "
+                          "files") from None

@@ -23,6 +23,12 @@ on, and says in one line what changed; nothing is ignored in silence:
 * **``shuffle``** may change only at an epoch boundary: in the middle of an
   epoch the new order would train some samples twice and others never, so the
   run is refused with a message.
+* **The kind of model** may not change: a LoRA checkpoint does not resume in a
+  full fine-tune (its optimizer state is the adapter's) nor a full one in a
+  LoRA recipe (it holds no adapter), and a LoRA resume must build the same
+  adapter tensors (``lora_rank``, ``lora_attn_modules``, ``apply_lora_to_mlp``,
+  ``apply_lora_to_output``, ``use_dora``); ``lora_alpha`` and ``lora_dropout``
+  may change (a changed setting, reported).
 """
 
 import warnings
@@ -33,7 +39,7 @@ from omegaconf import DictConfig, OmegaConf
 from torchtune.utils import get_logger
 
 from torchtune_ext.checkpoint import ResumeState
-from torchtune_ext.config import ConfigError
+from torchtune_ext.config import ConfigError, lora_settings
 
 log = get_logger()
 
@@ -82,14 +88,68 @@ def global_batch_size(cfg: Any, dp_world_size: int) -> int:
     return dp_world_size * cfg["batch_size"] * cfg["gradient_accumulation_steps"]
 
 
+def is_lora_model(cfg_model: Any) -> bool:
+    """Whether a ``model`` config builds a LoRA/QLoRA/DoRA model (torchtune's ``lora_*`` / ``qlora_*`` builders)."""
+    component = str((cfg_model or {}).get("_component_") or "")
+    return component.rpartition(".")[2].startswith(("lora_", "qlora_"))
+
+
+# LoRA settings that decide which adapter tensors exist and their shapes
+_ADAPTER_SHAPE_SETTINGS = ("lora_attn_modules", "apply_lora_to_mlp", "apply_lora_to_output", "lora_rank", "use_dora")
+
+
+def _check_same_kind_of_model(resumed: ResumeState, cfg: DictConfig) -> None:
+    """A checkpoint's model must be what this run builds: full or LoRA, and the same adapter tensors."""
+    saved_model = (resumed.config or {}).get("model")
+    if saved_model is None:  # checkpoints of earlier versions: CheckpointManager.load and the loads check
+        return
+    where = f"'{resumed.path}'" if resumed.path is not None else "the checkpoint"
+    distributed = "fsdp_cpu_offload" in cfg  # only the distributed recipes' schema has it
+    kind = "distributed" if distributed else "single_device"
+    saved_lora, lora = is_lora_model(saved_model), is_lora_model(cfg.model)
+    if saved_lora and not lora:
+        adapter_only = bool(resumed.config.get("save_adapter_weights_only", False))
+        merged = ("" if adapter_only else f", or fine-tune its merged weights in a new output_dir with "
+                  f"checkpointer.checkpoint_dir={resumed.path}")
+        raise ConfigError("resume_from_checkpoint", f"{where} was written by a LoRA recipe (model "
+                          f"{saved_model.get('_component_')}): its optimizer state is the adapter's, which a full "
+                          f"fine-tune cannot continue; resume it with a LoRA recipe "
+                          f"(recipes/lora_finetune_{kind}.py){merged}")
+    if lora and not saved_lora:
+        raise ConfigError("resume_from_checkpoint", f"{where} was written by a full fine-tune (model "
+                          f"{saved_model.get('_component_')}): it holds no adapter to continue; resume it with "
+                          f"recipes/full_finetune_{kind}.py, or train a LoRA adapter on its weights in a new "
+                          f"output_dir with checkpointer.checkpoint_dir={resumed.path}")
+    if not lora:
+        return
+    try:
+        old, new = lora_settings(saved_model), lora_settings(cfg.model)
+    except ConfigError:  # the saved builder is gone: the adapter check at load time still applies
+        return
+
+    def shown(value: Any) -> Any:
+        return list(value) if isinstance(value, tuple) else value
+
+    changed = [f"model.{name} {shown(getattr(old, name))!r} -> {shown(getattr(new, name))!r}"
+               for name in _ADAPTER_SHAPE_SETTINGS if getattr(old, name) != getattr(new, name)]
+    if changed:
+        raise ConfigError("model", f"the adapter in {where} was trained with other LoRA settings "
+                          f"({', '.join(changed)}), so its weights do not fit this model; resume with the settings "
+                          "it was trained with, or start a new run in another output_dir")
+
+
 def check_resume(resumed: ResumeState, cfg: DictConfig) -> None:
     """Refuse settings a run cannot continue with; call it before building anything.
 
     Raises:
         ConfigError: (key ``shuffle``) ``shuffle`` changed in the middle of an epoch;
             (key ``optimizer_in_bwd``) it changed: the saved optimizer state has
-            the other layout (one optimizer per parameter, or one for all).
+            the other layout (one optimizer per parameter, or one for all);
+            (key ``resume_from_checkpoint``) a LoRA checkpoint in a full
+            fine-tune or the reverse; (key ``model``) a LoRA setting that
+            changes the adapter's tensors (rank, adapted modules, DoRA).
     """
+    _check_same_kind_of_model(resumed, cfg)
     saved = resumed.config
     if saved is not None and bool(saved.get("optimizer_in_bwd", False)) != bool(cfg.get("optimizer_in_bwd", False)):
         was = str(bool(saved.get("optimizer_in_bwd", False))).lower()
@@ -125,7 +185,16 @@ def restore_training(resumed: ResumeState, cfg: DictConfig, optimizer: torch.opt
             ``optimizer`` (sharded models); default ``optimizer.load_state_dict``.
     """
     configured = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-    (load_optimizer_state or optimizer.load_state_dict)(resumed.optimizer)
+    try:
+        (load_optimizer_state or optimizer.load_state_dict)(resumed.optimizer)
+    except (ValueError, KeyError, RuntimeError) as err:  # torch's "loaded state dict contains a parameter group
+        # that doesn't match the size of optimizer's group", a missing state entry, a moment of another shape
+        where = f"'{resumed.path}'" if resumed.path is not None else "the checkpoint"
+        detail = " ".join(str(err).split())
+        raise ConfigError("resume_from_checkpoint", f"the optimizer state in {where} does not fit the parameters "
+                          f"this run trains ({type(err).__name__}: {detail}); was it written by another recipe "
+                          "(LoRA or full fine-tune) or another model? Resume with the recipe and model it was "
+                          "trained with") from None
     for group, settings in zip(optimizer.param_groups, configured):
         group.update(settings)  # the config's lr, betas, weight decay ... (and the scheduler's initial_lr)
     step = resumed.progress.step
@@ -146,7 +215,20 @@ def _report(resumed: ResumeState, cfg: DictConfig, optimizer: torch.optim.Optimi
     lines = []
     changes = [c for c in changed_settings(saved, cfg, resumed.dp_world_size, dp_world_size) if c[0] != "seed"]
     listed = ", ".join(f"{key} {old!r} -> {new!r}" for key, old, new in changes)
-    if progress.step >= progress.total_steps:  # a finished run: say so rather than promise a change
+    if progress.step >= progress.total_steps and progress.epoch < cfg.epochs:
+        # the epoch in progress is the last and max_steps_per_epoch ends it at or before the step reached:
+        # the new value is what ends the run, so it is applied (the rest is not: no step is left)
+        cut = [c for c in changes if c[0] == "max_steps_per_epoch"]
+        rest = ", ".join(f"{key} {old!r} -> {new!r}" for key, old, new in changes if key != "max_steps_per_epoch")
+        lines.append(f"Nothing is left to train: max_steps_per_epoch={cfg.max_steps_per_epoch} ends epoch "
+                     f"{progress.epoch}, the last of epochs={cfg.epochs}, and the checkpoint (step {progress.step}) "
+                     f"has run {progress.steps_in_epoch} optimizer steps of it; raise max_steps_per_epoch or epochs "
+                     "to train more"
+                     + (f". Changed settings, applied: max_steps_per_epoch {cut[0][1]!r} -> {cut[0][2]!r} (the epoch "
+                        "ends here)" if cut else "")
+                     + (f"{';' if cut else '. Changed settings,'} not applied, as no step is left: {rest}"
+                        if rest else ""))
+    elif progress.step >= progress.total_steps:  # a finished run: say so rather than promise a change
         lines.append(f"Nothing is left to train: the checkpoint (step {progress.step}) has finished "
                      f"{progress.epoch} epoch(s) and epochs={cfg.epochs}; raise epochs to train more"
                      + (f". Changed settings, not applied: {listed}" if changes else ""))

@@ -200,7 +200,8 @@ def describe_model(cfg) -> str:
     return f"{component} ({details})" if details else component
 
 
-_ADAPTER_KEYS = ("lora_a", "lora_b", "magnitude")
+# Parts of the state-dict keys of LoRA and DoRA adapter tensors in torchtune's models.
+ADAPTER_KEYS = ("lora_a", "lora_b", "magnitude")
 
 
 def first_mismatch(model_state, checkpoint_state) -> Optional[str]:
@@ -215,7 +216,7 @@ def first_mismatch(model_state, checkpoint_state) -> Optional[str]:
     """
     for key, value in model_state.items():
         if key not in checkpoint_state:
-            if not any(part in key for part in _ADAPTER_KEYS):
+            if not any(part in key for part in ADAPTER_KEYS):
                 return f"'{key}' is missing from the checkpoint"
         elif tuple(checkpoint_state[key].shape) != tuple(value.shape):
             return (f"'{key}' has shape {list(checkpoint_state[key].shape)} in the checkpoint, "
