@@ -277,7 +277,8 @@ def test_special_ids(toks):
     qwen3, _ = toks["qwen3"]
     assert qwen3.bos_id is None and qwen3.vocab_size == 49152 + 2
     smollm2, _ = toks["smollm2"]
-    assert (smollm2.eos_id, smollm2.pad_id, smollm2.stop_tokens) == (2, 2, [2])  # config.json and generation's: 2
+    assert (smollm2.eos_id, smollm2.stop_tokens) == (2, [2])  # <|im_end|>, also in config.json and generation's
+    assert smollm2.pad_id == 0  # its pad_token <|im_end|> closes every turn: <|endoftext|>, its unk_token
 
 
 def test_truncation_as_torchtune(folders, toks):
@@ -308,6 +309,11 @@ def test_torchtune_datasets(folders, tmp_path):
     assert (sample["tokens"], sample["labels"]) == (expected[0], labels_of(*expected))
     assert tok.decode([t for t in sample["labels"] if t != CROSS_ENTROPY_IGNORE_IDX],
                       skip_special_tokens=False) == "<start_of_turn>model\nBlue.<end_of_turn>\n"
+
+    packed = alpaca_dataset(tok, source="json", data_files=str(alpaca), split="train", train_on_input=False,
+                            packed=True)[0]
+    n = len(sample["tokens"])
+    assert (packed["tokens"][:n].tolist(), packed["labels"][:n].tolist()) == (sample["tokens"], sample["labels"])
 
     chat = tmp_path / "chat.json"
     chat.write_text(json.dumps([{"messages": [{"role": "system", "content": "Be brief."},
@@ -358,8 +364,13 @@ def test_chat_data_without_a_chat_template_is_one_config_error(folders, tmp_path
     cfg.dataset = {"_component_": "torchtune.datasets.text_completion_dataset", "source": "json"}
     check_tokenizer(cfg)  # plain text needs no template
     cfg.tokenizer.chat_template = QWEN3
+    cfg.tokenizer.chat_template_kwargs = {"enable_thinking": False}
     cfg.dataset._component_ = "torchtune.datasets.chat_dataset"
     check_tokenizer(cfg)  # a template given in the config
+    cfg.tokenizer.chat_template = str(tmp_path / "missing.jinja")
+    with pytest.raises(ConfigError, match=r"^config key 'tokenizer.chat_template': '.*missing.jinja' is neither "
+                                          "Jinja text nor a file"):
+        check_tokenizer(cfg)
 
 
 @pytest.mark.parametrize("case,words", [
@@ -381,6 +392,12 @@ def test_a_folder_that_is_not_a_tokenizer(folders, tmp_path, case, words):
     for word in words:
         assert word in str(err.value)
     assert "\n" not in str(err.value)
+    # before the model loads, the same words as one config error
+    cfg = OmegaConf.create({"tokenizer": {"_component_": "torchtune_ext.hf.tokenizer.hf_tokenizer", "path": str(path)},
+                            "dataset": {"_component_": "torchtune.datasets.text_completion_dataset"}})
+    with pytest.raises(ConfigError) as config_err:
+        check_tokenizer(cfg)
+    assert str(config_err.value) == f"config key 'tokenizer.path': {err.value}"
 
 
 def test_file_paths_inside_the_folder_are_accepted(folders, toks):

@@ -285,6 +285,17 @@ def test_training_chat_template_only_for_message_data(tiny_run):
     assert training_chat_template(cfg) is None  # nothing trained on a chat: the base folder's template stays
 
 
+def test_torchtunes_own_tokenizers_leave_the_copied_template(tmp_path):
+    from families import FAMILIES, write_qwen_bpe
+    from torchtune_ext.tokenizer import training_chat_template
+
+    write_qwen_bpe(tmp_path)
+    tokenizer = {k: (str(tmp_path / v) if k.endswith("path") or k == "merges_file" else v)
+                 for k, v in FAMILIES["qwen2"].tokenizer.items()}
+    assert training_chat_template({"tokenizer": tokenizer, "dataset": {
+        "_component_": "torchtune.datasets.alpaca_dataset"}}) is None
+
+
 def test_saved_checkpoint_carries_the_chat_template_training_used(tiny_run):
     """issue 33 U4: the step folder's tokenizer_config.json was SmolLM2's, whose template adds a system prompt."""
     from omegaconf import OmegaConf

@@ -24,6 +24,11 @@ Text given to :meth:`SmolLM2Tokenizer.encode` is always encoded as text: a
 literal ``"<|im_end|>"`` inside a dataset sample becomes ordinary BPE pieces,
 never the control token, so data cannot forge turn boundaries. Control tokens
 enter only through the ChatML formatting in :meth:`tokenize_messages`.
+
+For any tokenizer component: :func:`check_tokenizer` builds it (and formats a
+chat where the datasets give messages) before the model loads, and
+:func:`training_chat_template` / :func:`write_chat_template` give checkpoints
+the chat template training wrote (``docs/models.md``, Tokenizer).
 """
 
 from __future__ import annotations
@@ -366,13 +371,18 @@ def check_tokenizer(cfg: DictConfig) -> None:
             the builder fails: the message names the file and what was
             expected; or :func:`message_datasets` is not empty and a
             user/assistant chat cannot be formatted: the message names the
-            dataset and the fix.
+            dataset and the fix. (``tokenizer.chat_template``) a value that is
+            neither Jinja text nor a file.
     """
     node = enabled(cfg.get("tokenizer"))
     if node is None:
         return
     key = "tokenizer.path" if node.get("path") is not None else "tokenizer"
     component = str(node._component_)
+    template = node.get("chat_template")
+    if isinstance(template, str) and "{" not in template and not os.path.isfile(template):
+        raise ConfigError("tokenizer.chat_template", f"'{template}' is neither Jinja text nor a file: give the "
+                          "template's text, or the path of a .jinja file")
     try:
         tokenizer = tt_config.instantiate(node)
     except Exception as err:

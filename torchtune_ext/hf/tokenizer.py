@@ -1,4 +1,4 @@
-"""A Hugging Face model folder's tokenizer as a torchtune ``ModelTokenizer``, formatted by the folder's own chat template.
+"""A Hugging Face model folder's tokenizer as a torchtune ``ModelTokenizer``, with the folder's own chat template.
 
 A folder as ``huggingface-cli download`` leaves it (``tokenizer.json``,
 ``tokenizer_config.json`` with its ``chat_template`` or a
@@ -69,9 +69,10 @@ class HFTokenizer(ModelTokenizer, Transform):
 
     Attributes:
         bos_id, eos_id, pad_id: special ids (``bos_id`` may be None: Qwen has
-            none). ``pad_id`` is the tokenizer's ``pad_token``, else
-            ``eos_id``; padded positions are never trained (their labels are
-            ignore_index).
+            none). ``pad_id`` is the first of the ``pad_token``, the
+            ``unk_token`` and ``eos_id`` that is not a stop token, else the
+            first of them there is; padded positions are never trained
+            (their labels are ignore_index).
         stop_tokens: the ids generation stops at.
         special_tokens: ``{text: id}`` of the tokenizer's special tokens.
         prompt_template: always None: the chat template formats messages
@@ -95,8 +96,12 @@ class HFTokenizer(ModelTokenizer, Transform):
         self._source = source
         self.bos_id: int | None = hf.bos_token_id
         self.eos_id: int | None = hf.eos_token_id
-        self.pad_id: int = next((i for i in (hf.pad_token_id, hf.eos_token_id) if i is not None), 0)
         self.stop_tokens = list(dict.fromkeys([i for i in (self.eos_id, *(stop_tokens or [])) if i is not None]))
+        # torchtune.generation.generate takes every pad_id in a prompt for padding, and a stop token such as
+        # <|im_end|> (SmolLM2's pad_token) closes every turn of a chat prompt: prefer a pad that is none
+        candidates = [i for i in (hf.pad_token_id, hf.unk_token_id, hf.eos_token_id) if i is not None]
+        self.pad_id: int = next((i for i in candidates if i not in self.stop_tokens), candidates[0] if candidates
+                                else 0)
         self.special_tokens: dict[str, int] = {
             t.content: i for i, t in hf.added_tokens_decoder.items() if t.special}
         # Does the tokenizer put BOS before plain text (Llama 3, Gemma) or not (Qwen, SmolLM2)?
