@@ -296,7 +296,13 @@ def test_torchtunes_own_tokenizers_leave_the_copied_template(tmp_path):
         "_component_": "torchtune.datasets.alpaca_dataset"}}) is None
 
 
-def test_saved_checkpoint_carries_the_chat_template_training_used(tiny_run):
+# A template of our own for the Hugging Face tokenizer: the saved folder must carry it, not the base folder's
+BRACKETS = "{% for m in messages %}[{{ m.role }}] {{ m.content }}<|im_end|>\n{% endfor %}"
+
+
+@pytest.mark.parametrize("tokenizer", [{}, {"tokenizer._component_": "torchtune_ext.hf.tokenizer.hf_tokenizer",
+                                            "tokenizer.chat_template": BRACKETS}], ids=["smollm2", "hf"])
+def test_saved_checkpoint_carries_the_chat_template_training_used(tiny_run, tokenizer):
     """issue 33 U4: the step folder's tokenizer_config.json was SmolLM2's, whose template adds a system prompt."""
     from omegaconf import OmegaConf
 
@@ -304,7 +310,7 @@ def test_saved_checkpoint_carries_the_chat_template_training_used(tiny_run):
     from torchtune_ext.config import validate
 
     cfg = validate(OmegaConf.load(tiny_run(n_samples=4, max_steps_per_epoch=1, batch_size=1,
-                                           gradient_accumulation_steps=1, metric_logger=None)))
+                                           gradient_accumulation_steps=1, metric_logger=None, **tokenizer)))
     recipe = run_recipe(recipe_class("recipes/full_finetune_single_device.py", "FullFinetuneRecipeSingleDevice"), cfg)
     saved = Path(cfg.output_dir) / "step_1"
     assert hf_ids(saved, TWO_TURNS) == recipe._tokenizer.tokenize_messages(TWO_TURNS)[0]
