@@ -5,6 +5,8 @@ the assets) and on the real SmolLM2 tokenizer.json (skipped if not downloaded).
 """
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -220,3 +222,169 @@ def test_chat_dataset(real_tok, tmp_path):
     assert labels[:user_len] == [CROSS_ENTROPY_IGNORE_IDX] * user_len
     assert labels[user_len:] == tokens[user_len:]
     assert real_tok.decode(tokens[user_len:], skip_special_tokens=False) == "<|im_start|>assistant\nHello!<|im_end|>\n"
+
+
+# ------------------------------------------------------------------- the chat template checkpoints carry
+def hf_ids(folder, messages, **options):
+    from transformers import AutoTokenizer
+
+    conversation = [{"role": m.role, "content": m.text_content} for m in messages]
+    return AutoTokenizer.from_pretrained(str(folder)).apply_chat_template(conversation, tokenize=True,
+                                                                          **options)["input_ids"]
+
+
+def test_chat_template_writes_what_the_tokenizer_writes(real_tok, smollm2_assets, tmp_path):
+    from torchtune_ext.tokenizer import write_chat_template
+
+    folder = tmp_path / "saved"
+    folder.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm2_assets / "SmolLM2-135M-Instruct" / name, folder / name)
+    assert hf_ids(folder, TWO_TURNS) != real_tok.tokenize_messages(TWO_TURNS)[0]  # SmolLM2's adds a system prompt
+    for tok in (real_tok, smollm2_tokenizer(str(smollm2_assets / "SmolLM2-135M-Instruct"),
+                                            prompt_template={"user": ("Q: \"", "\"\nA: \u00e9\U0001f600"),
+                                                             "assistant": ("Answer: ", "")})):
+        assert write_chat_template(folder, tok.chat_template)
+        assert hf_ids(folder, TWO_TURNS) == tok.tokenize_messages(TWO_TURNS)[0]
+        prompt = [Message("user", "Hi", masked=True)]
+        assert hf_ids(folder, prompt, add_generation_prompt=True) == tok.tokenize_messages(
+            [*prompt, Message("assistant", "")], add_end_tokens=False)[0]
+    assert not write_chat_template(folder, tok.chat_template)  # already there: nothing written
+    llama2 = smollm2_tokenizer(str(smollm2_assets / "SmolLM2-135M-Instruct"),
+                               prompt_template="torchtune.models.llama2.Llama2ChatTemplate")
+    assert llama2.chat_template is None  # no Jinja form
+
+
+def test_write_chat_template_replaces_the_one_transformers_reads(tmp_path):
+    from torchtune_ext.tokenizer import write_chat_template
+
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": [{"name": "default", "template": "old"}, {"name": "tool_use", "template": "tools"}]}))
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    (saved / "tokenizer_config.json").symlink_to(base / "tokenizer_config.json")
+    assert write_chat_template(saved, "new")
+    assert json.loads((saved / "tokenizer_config.json").read_text())["chat_template"] == [
+        {"name": "default", "template": "new"}, {"name": "tool_use", "template": "tools"}]
+    assert "old" in (base / "tokenizer_config.json").read_text()  # the link was replaced, not written through
+    (saved / "chat_template.jinja").write_text("old")  # transformers prefers this file
+    assert write_chat_template(saved, "newer") and (saved / "chat_template.jinja").read_text() == "newer"
+    assert not write_chat_template(tmp_path, "x")  # no tokenizer files: nothing
+
+
+def test_training_chat_template_only_for_message_data(tiny_run):
+    from omegaconf import OmegaConf
+
+    from torchtune_ext.tokenizer import training_chat_template
+
+    cfg = OmegaConf.load(tiny_run())
+    assert training_chat_template(cfg) == smollm2_tokenizer(cfg.tokenizer.path).chat_template
+    cfg.dataset = {"_component_": "torchtune.datasets.text_completion_dataset", "source": "json"}
+    assert training_chat_template(cfg) is None  # nothing trained on a chat: the base folder's template stays
+
+
+def test_torchtunes_own_tokenizers_leave_the_copied_template(tmp_path):
+    from families import FAMILIES, write_qwen_bpe
+    from torchtune_ext.tokenizer import training_chat_template
+
+    write_qwen_bpe(tmp_path)
+    tokenizer = {k: (str(tmp_path / v) if k.endswith("path") or k == "merges_file" else v)
+                 for k, v in FAMILIES["qwen2"].tokenizer.items()}
+    assert training_chat_template({"tokenizer": tokenizer, "dataset": {
+        "_component_": "torchtune.datasets.alpaca_dataset"}}) is None
+
+
+# A template of our own for the Hugging Face tokenizer: the saved folder must carry it, not the base folder's
+BRACKETS = "{% for m in messages %}[{{ m.role }}] {{ m.content }}<|im_end|>\n{% endfor %}"
+
+
+@pytest.mark.parametrize("tokenizer", [{}, {"tokenizer._component_": "torchtune_ext.hf.tokenizer.hf_tokenizer",
+                                            "tokenizer.chat_template": BRACKETS}], ids=["smollm2", "hf"])
+def test_saved_checkpoint_carries_the_chat_template_training_used(tiny_run, tokenizer):
+    """issue 33 U4: the step folder's tokenizer_config.json was SmolLM2's, whose template adds a system prompt."""
+    from omegaconf import OmegaConf
+
+    from helpers import recipe_class, run_recipe
+    from torchtune_ext.config import validate
+
+    cfg = validate(OmegaConf.load(tiny_run(n_samples=4, max_steps_per_epoch=1, batch_size=1,
+                                           gradient_accumulation_steps=1, metric_logger=None, **tokenizer)))
+    recipe = run_recipe(recipe_class("recipes/full_finetune_single_device.py", "FullFinetuneRecipeSingleDevice"), cfg)
+    saved = Path(cfg.output_dir) / "step_1"
+    assert hf_ids(saved, TWO_TURNS) == recipe._tokenizer.tokenize_messages(TWO_TURNS)[0]
+    base = json.loads((Path(cfg.checkpointer.checkpoint_dir) / "tokenizer_config.json").read_text())
+    assert "named SmolLM" in base["chat_template"]  # the base folder is untouched
+    manifest = json.loads((saved / "checkpoint.json").read_text())["files"]
+    assert manifest["tokenizer_config.json"] == (saved / "tokenizer_config.json").stat().st_size
+
+
+# ------------------------------------------------------------------ tokenizer.path that is not a tokenizer
+@pytest.fixture
+def tiny_cfg(tiny_run):
+    from omegaconf import OmegaConf
+
+    from torchtune_ext.config import validate
+
+    return lambda *overrides: validate(OmegaConf.merge(OmegaConf.load(tiny_run()), OmegaConf.from_dotlist(overrides)))
+
+
+def not_tokenizers(root):
+    text = root / "notes.txt"
+    text.write_text("not a tokenizer\n")
+    return {"text": text, "json": root / "data.json", "weights": root / "ckpt" / "model.safetensors"}
+
+
+@pytest.mark.parametrize("kind", ["text", "json", "weights"])
+def test_tokenizer_path_that_is_not_a_tokenizer_is_one_config_error(tiny_cfg, kind):
+    """issue 33 F6: a traceback from the tokenizers library ("expected ident at line 1 column 2")."""
+    import torch
+
+    from torchtune_ext.config import ConfigError
+    from torchtune_ext.preflight import check_components
+
+    cfg = tiny_cfg()
+    path = not_tokenizers(Path(cfg.output_dir).parent)[kind]
+    cfg.tokenizer.path = str(path)
+    with pytest.raises(ConfigError) as err:
+        check_components(cfg, torch.device("cpu"))
+    message = str(err.value)
+    assert message.startswith(f"config key 'tokenizer.path': '{path}' is not a Hugging Face tokenizer.json (")
+    assert message.endswith("); expected a tokenizer.json or the folder holding it") and "\n" not in message
+
+
+def test_torchtune_tokenizer_on_a_wrong_file_names_what_it_reads(tiny_cfg):
+    import torch
+
+    from torchtune_ext.config import ConfigError
+    from torchtune_ext.preflight import check_components
+
+    cfg = tiny_cfg()
+    path = not_tokenizers(Path(cfg.output_dir).parent)["json"]
+    cfg.tokenizer = {"_component_": "torchtune.models.llama3.llama3_tokenizer", "path": str(path)}
+    with pytest.raises(ConfigError, match=r"^config key 'tokenizer.path': torchtune.models.llama3.llama3_tokenizer "
+                       f"cannot read '{path}' \\(.*\\); expected Llama 3's tiktoken file \\(original/tokenizer.model "
+                       r"in the download\)$"):
+        check_components(cfg, torch.device("cpu"))
+
+
+def test_tokenizer_path_that_is_not_a_tokenizer_stops_the_recipe_in_one_line(tiny_run):
+    import os
+
+    from helpers import run_tune
+
+    config = tiny_run()
+    root = config.parent
+    path = not_tokenizers(root)["text"]
+    out = root / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    proc = run_tune("recipes/full_finetune_single_device.py", "--config", str(config), f"tokenizer.path={path}",
+                    timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: config key 'tokenizer.path': '{path}' is not a Hugging Face tokenizer.json (expected "
+                      "ident at line 1 column 2); expected a tokenizer.json or the folder holding it"]
+    assert os.listdir(out) == ["notes.txt"]

@@ -56,6 +56,7 @@ from torchtune import training
 from torchtune.utils import get_logger
 
 from torchtune_ext.config import ConfigError, lora_settings
+from torchtune_ext.tokenizer import training_chat_template, write_chat_template
 from torchtune_ext.upstream import ADAPTER_KEYS, first_mismatch
 
 log = get_logger()  # torchtune's logger, which the recipes' lines go through too
@@ -589,6 +590,7 @@ class CheckpointManager:
         self._run_config = OmegaConf.to_container(run_config, resolve=True) if run_config is not None else None
         self._dp_world_size = dp_world_size
         self._hash_files = hash_files
+        self._chat_template: Optional[str] = None  # what training's tokenizer writes; "" if nothing to save
 
     @classmethod
     def from_config(cls, cfg: DictConfig, dp_world_size: int = 1) -> "CheckpointManager":
@@ -799,6 +801,7 @@ class CheckpointManager:
                 self._checkpointer.save_checkpoint(state_dict, epoch=progress.step, adapter_only=adapter_only)
             if (written / "adapter_model.pt").is_file():
                 arrange_lora_folder(written, self._cfg)
+            self._save_chat_template(written)
             torch.save(recipe_state, written / RECIPE_STATE)
             # torchtune copies the non-weight files of the folder it loaded from, so a resumed
             # run's staging folder holds the previous manifest: never list the manifest itself
@@ -848,6 +851,16 @@ class CheckpointManager:
         log.info(f"Checkpoint saved: {final} ({format_bytes(sum(files.values()))} in "
                  f"{time.perf_counter() - start:.1f} s{hashing})")
         self._prune(keep=final, suspect_from=suspect_from)
+
+    def _save_chat_template(self, folder: Path) -> None:
+        """torchtune copies the base folder's tokenizer files, whose chat template may not be the format
+        training wrote (SmolLM2's adds a default system prompt): save the training tokenizer's instead."""
+        if self._run_config is None:
+            return
+        if self._chat_template is None:  # built once, at the first save
+            self._chat_template = training_chat_template(self._run_config) or ""
+        if self._chat_template:
+            write_chat_template(folder, self._chat_template)
 
     def _staging_is_a_file(self) -> str:
         return f"'{self.staging}' is a file, but saves stage each checkpoint in a folder of that name"

@@ -20,7 +20,9 @@ cheaply:
    (``wandb.Settings``): both otherwise fail only when the logger starts,
    after the model has loaded;
 6. the ``profiler`` section's arguments are ones ``setup_torch_profiler``
-   takes (it is called only after the model has loaded).
+   takes (it is called only after the model has loaded);
+7. the tokenizer builds from its files, and formats a chat where the
+   datasets give it messages (:func:`torchtune_ext.tokenizer.check_tokenizer`).
 
 Every problem is a :class:`~torchtune_ext.config.ConfigError` naming the key.
 """
@@ -36,6 +38,7 @@ from torchtune import config as tt_config
 
 from torchtune_ext.config import PROFILER_COMPONENT, ConfigError, check_output_dir, enabled
 from torchtune_ext.loss import SummedCrossEntropyLoss, build_loss
+from torchtune_ext.tokenizer import check_tokenizer
 
 
 def resolve_component(path: str) -> Any:
@@ -145,6 +148,7 @@ def check_components(cfg: DictConfig, device: torch.device) -> None:
     _check_optimizer(cfg, device)
     _check_metric_logger(cfg)
     _check_profiler(cfg)
+    check_tokenizer(cfg)
 
 
 # WandBLogger passes these to wandb.init, which stores them as these wandb.Settings fields

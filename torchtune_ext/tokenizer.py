@@ -24,20 +24,33 @@ Text given to :meth:`SmolLM2Tokenizer.encode` is always encoded as text: a
 literal ``"<|im_end|>"`` inside a dataset sample becomes ordinary BPE pieces,
 never the control token, so data cannot forge turn boundaries. Control tokens
 enter only through the ChatML formatting in :meth:`tokenize_messages`.
+
+For any tokenizer component: :func:`check_tokenizer` builds it (and formats a
+chat where the datasets give messages) before the model loads, and
+:func:`training_chat_template` / :func:`write_chat_template` give checkpoints
+the chat template training wrote (``docs/models.md``, Tokenizer).
 """
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from torchtune.data import ChatMLTemplate, Message, PromptTemplateInterface
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from torchtune import config as tt_config
+from torchtune.data import ChatMLTemplate, Message, PromptTemplate, PromptTemplateInterface
 from torchtune.data._prompt_templates import _get_prompt_template
 from torchtune.modules.transforms import Transform
 from torchtune.modules.transforms.tokenizers import HuggingFaceBaseTokenizer, ModelTokenizer
+from torchtune.utils import get_logger
 
 from torchtune_ext.assets import check_asset
+from torchtune_ext.config import ConfigError, enabled, validation_enabled
+
+log = get_logger()  # torchtune's logger, which the recipes' lines go through too
 
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -129,6 +142,37 @@ class SmolLM2Tokenizer(ModelTokenizer, Transform):
         """Number of token ids, special tokens included (49152 for SmolLM2)."""
         return self._base.tokenizer.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def chat_template(self) -> str | None:
+        """A Hugging Face chat template (Jinja) that writes what :meth:`tokenize_messages` writes.
+
+        Checkpoints carry it in place of the base folder's (:func:`write_chat_template`): SmolLM2's
+        own template adds a default system prompt this tokenizer never writes, so a model deployed
+        with it would see a format it was not trained on. ChatML, no default system prompt,
+        ``add_generation_prompt`` opens an assistant turn; a :class:`~torchtune.data.PromptTemplate`'s
+        tags go around each message's content as here (the generation prompt ends with the
+        assistant's opening tag; torchtune would also close an empty assistant message with its
+        closing tag). ``None`` for other prompt templates (no Jinja form). One difference remains
+        by design: a template renders a special-token string inside a message as the control
+        token, where this tokenizer keeps it text.
+        """
+        content, reply = "message['content']", "'<|im_start|>assistant\\n'"
+        head = ""
+        if self.prompt_template is not None:
+            if not isinstance(self.prompt_template, PromptTemplate):
+                return None
+            tags = {role: [pre if isinstance(pre, str) else "", post if isinstance(post, str) else ""]
+                    for role, (pre, post) in self.prompt_template.template.items()}
+            # a JSON object is a Jinja dict literal (ensure_ascii=False: Jinja decodes no surrogate pairs)
+            head = "{%- set tags = " + json.dumps(tags, ensure_ascii=False) + " -%}"
+            content = "tags.get(message['role'], ['', ''])[0] + message['content'] + " \
+                      "tags.get(message['role'], ['', ''])[1]"
+            reply += " + tags.get('assistant', ['', ''])[0]"  # the reply starts after its tag
+        return (head + "{%- for message in messages -%}"
+                "{{- '<|im_start|>' + message['role'] + '\\n' + " + content + " + '<|im_end|>\\n' -}}"
+                "{%- endfor -%}"
+                "{%- if add_generation_prompt -%}{{- " + reply + " -}}{%- endif -%}")
+
     def encode(self, text: str, add_bos: bool = True, add_eos: bool = True) -> list[int]:
         """Encode ``text`` as text (special-token strings are not recognised).
 
@@ -178,7 +222,8 @@ class SmolLM2Tokenizer(ModelTokenizer, Transform):
         for item in message.content:
             if item["type"] != "text":
                 raise ValueError(f"SmolLM2Tokenizer handles text only, got content of type {item['type']!r}")
-            ids += self.encode(item["content"], add_bos=False, add_eos=False)
+        # The parts as one text (a prompt template's tags are parts): tokenized as a chat template renders it
+        ids += self.encode(message.text_content, add_bos=False, add_eos=False)
         if add_end_tokens:
             ids += [self.im_end_id] + self._newline
         return ids
@@ -253,8 +298,177 @@ def smollm2_tokenizer(
     Raises:
         MissingAssetError: if the folder or file does not exist; the message
             names the download command.
+        ValueError: if the file is not a tokenizer.json (the message names it
+            and what was expected).
     """
     p = check_asset(path)
     if p.is_dir():
         p = check_asset(p / "tokenizer.json")
-    return SmolLM2Tokenizer(str(p), max_seq_len=max_seq_len, prompt_template=prompt_template)
+    try:
+        return SmolLM2Tokenizer(str(p), max_seq_len=max_seq_len, prompt_template=prompt_template)
+    except json.JSONDecodeError as err:  # a ValueError, from a sidecar torchtune reads
+        raise ValueError(f"'{p.parent}': its tokenizer_config.json or generation_config.json is not JSON "
+                         f"({err})") from None
+    except ValueError:
+        raise
+    except Exception as err:  # the tokenizers library reports a file it cannot parse as a bare Exception
+        raise ValueError(f"'{path}' is not a Hugging Face tokenizer.json ({' '.join(str(err).split())}); "
+                         "expected a tokenizer.json or the folder holding it") from None
+
+
+# ---------------------------------------------------------------- checks and checkpoints
+
+# torchtune's dataset builders that give the tokenizer plain text; the others in torchtune.datasets give it messages.
+_TEXT_DATASETS = ("text_completion_dataset", "cnn_dailymail_articles_dataset", "wikitext_dataset")
+
+# What torchtune's tokenizer builders read from ``path``, for the message when they cannot read it (by
+# component prefix). Ours say it in their own errors.
+_EXPECTED_FILES = {
+    "torchtune_ext.tokenizer.": "a Hugging Face tokenizer.json, or the folder holding it",
+    "torchtune.models.llama3": "Llama 3's tiktoken file (original/tokenizer.model in the download)",
+    "torchtune.models.qwen": "Qwen's vocab.json (and merges_file: merges.txt)",
+    "torchtune.models.phi4": "Phi-4's vocab.json (and merges_path: merges.txt)",
+    **{f"torchtune.models.{family}": "a SentencePiece model (tokenizer.model)"
+       for family in ("llama2", "code_llama2", "mistral", "gemma", "phi3")},
+}
+
+
+def message_datasets(cfg: Mapping[str, Any]) -> list[str]:
+    """The datasets of a run that give its tokenizer messages, as ``"key (component)"``.
+
+    ``dataset``, and ``dataset_val`` when validation is on; a component of
+    ``torchtune.datasets`` gives messages unless it reads plain text
+    (``text_completion_dataset`` and the like). Other components (a user's own)
+    are not judged.
+
+    Args:
+        cfg: the run's config, as a ``DictConfig`` or its resolved dict.
+    """
+    keys = ("dataset", "dataset_val") if validation_enabled(cfg) else ("dataset",)
+    found = []
+    for key in keys:
+        node = cfg.get(key)
+        nodes = list(node) if isinstance(node, (list, ListConfig)) else [node]
+        for i, one in enumerate(nodes):
+            component = str((enabled(one) or {}).get("_component_") or "")
+            name = component.rsplit(".", 1)[-1]
+            if component.startswith("torchtune.datasets.") and name not in _TEXT_DATASETS:
+                found.append(f"{key if len(nodes) == 1 else f'{key}[{i}]'} ({component})")
+    return found
+
+
+def check_tokenizer(cfg: DictConfig) -> None:
+    """Build the config's tokenizer, and with message datasets format a chat with it, before the model loads.
+
+    A ``tokenizer.path`` that is not the file its builder reads otherwise fails
+    in the builder with the parser's words ("expected ident at line 1 column
+    2") and a traceback on every rank; a tokenizer that cannot format messages
+    (a Hugging Face folder without a chat template) fails at the first sample.
+    Costs one build of the tokenizer (a fraction of a second for SmolLM2's).
+
+    Raises:
+        ConfigError: (``tokenizer.path``, or ``tokenizer`` if it has no ``path``)
+            the builder fails: the message names the file and what was
+            expected; or :func:`message_datasets` is not empty and a
+            user/assistant chat cannot be formatted: the message names the
+            dataset and the fix. (``tokenizer.chat_template``) a value that is
+            neither Jinja text nor a file.
+    """
+    node = enabled(cfg.get("tokenizer"))
+    if node is None:
+        return
+    key = "tokenizer.path" if node.get("path") is not None else "tokenizer"
+    component = str(node._component_)
+    template = node.get("chat_template")
+    if isinstance(template, str) and "{" not in template and not os.path.isfile(template):
+        raise ConfigError("tokenizer.chat_template", f"'{template}' is neither Jinja text nor a file: give the "
+                          "template's text, or the path of a .jinja file")
+    try:
+        tokenizer = tt_config.instantiate(node)
+    except Exception as err:
+        reason = " ".join(str(err).split())
+        if not (component.startswith("torchtune_ext.") and isinstance(err, ValueError)):  # ours say it all
+            expected = next((text for prefix, text in _EXPECTED_FILES.items() if component.startswith(prefix)),
+                            f"a tokenizer file {component} reads")
+            reason = f"{component} cannot read '{node.get('path')}' ({type(err).__name__}: {reason}); " \
+                     f"expected {expected}"
+        raise ConfigError(key, reason) from None
+    datasets = message_datasets(cfg)
+    if not datasets:
+        return
+    try:
+        tokenizer.tokenize_messages([Message("user", "Hi", masked=True), Message("assistant", "Hello")])
+    except Exception as err:
+        raise ConfigError(key, f"cannot format messages, which {datasets[0]} gives it: "
+                               f"{' '.join(str(err).split())}") from None
+
+
+def training_chat_template(cfg: Mapping[str, Any]) -> str | None:
+    """The chat template that writes what a run's tokenizer trained on, for its checkpoints.
+
+    Args:
+        cfg: the run's config, as a ``DictConfig`` or its resolved dict.
+
+    Returns:
+        The tokenizer's ``chat_template`` (:class:`SmolLM2Tokenizer`,
+        :class:`torchtune_ext.hf.tokenizer.HFTokenizer`). None when the run's
+        datasets give no messages (plain text: the base folder's template
+        stays, as nothing trained another), or the tokenizer has none
+        (torchtune's own tokenizers; a SmolLM2 prompt template without a
+        Jinja form, which is warned about).
+    """
+    if not message_datasets(cfg):
+        return None
+    node = cfg["tokenizer"]
+    tokenizer = tt_config.instantiate(node if isinstance(node, DictConfig) else OmegaConf.create(node))
+    template = getattr(tokenizer, "chat_template", None)
+    if template is None and getattr(tokenizer, "prompt_template", None) is not None:
+        log.warning(f"tokenizer.prompt_template {type(tokenizer.prompt_template).__name__} has no Jinja form: "
+                    "checkpoints keep the base folder's chat template, which is not the format training wrote")
+    return template
+
+
+def write_chat_template(folder: Path, template: str) -> bool:
+    """Make the Hugging Face tokenizer files in ``folder`` carry ``template``.
+
+    transformers takes a folder's chat template from ``chat_template.jinja`` if
+    there is one, else from ``tokenizer_config.json``'s ``chat_template`` (a
+    string, or a list of named templates whose ``default`` it uses). That one
+    is replaced; other named templates stay. A folder without either file
+    (no Hugging Face tokenizer) is left alone. Files are replaced, never
+    written through, so a link to the base folder's file cannot change it.
+
+    Args:
+        folder: a checkpoint folder (the staging one, before its manifest).
+        template: Jinja text.
+
+    Returns:
+        Whether a file changed.
+    """
+    jinja, config_file = folder / "chat_template.jinja", folder / "tokenizer_config.json"
+    if jinja.is_file():
+        if jinja.read_text(encoding="utf-8") == template:
+            return False
+        _replace(jinja, template)
+        return True
+    if not config_file.is_file():
+        return False
+    config = json.loads(config_file.read_text(encoding="utf-8"))
+    current = config.get("chat_template")
+    if isinstance(current, list):
+        new: Any = [dict(t, template=template) if t.get("name") == "default" else t for t in current]
+        if not any(t.get("name") == "default" for t in current):
+            new.append({"name": "default", "template": template})
+    else:
+        new = template
+    if new == current:
+        return False
+    config["chat_template"] = new
+    _replace(config_file, json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+    return True
+
+
+def _replace(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
