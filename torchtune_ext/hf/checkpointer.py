@@ -23,11 +23,13 @@ is what a resumed run loads from.
 
 import logging
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, Iterator, List, Optional, Union
 
 import torch
 from transformers import AutoModelForCausalLM
+from transformers.utils import logging as hf_logging
 
 from torchtune_ext.checkpoint import MANIFEST, RECIPE_STATE
 from torchtune_ext.config import ConfigError
@@ -50,6 +52,19 @@ def tokenizer_files(folder: Union[str, Path]) -> List[Path]:
     weights nor written by ``save_pretrained`` (tokenizer files, chat template, README, license)."""
     return sorted(p for p in Path(folder).iterdir()
                   if p.is_file() and p.name not in _WRITTEN_BY_SAVE and not _is_weights(p.name))
+
+
+@contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """transformers' progress bars ("Loading weights", "Writing model shards") off: one line per tensor
+    group in a recipe's log says nothing the checkpoint log line does not."""
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
 
 
 class HFCheckpointer:
@@ -92,9 +107,10 @@ class HFCheckpointer:
             ConfigError: (key ``checkpointer.checkpoint_dir``) weights the model
                 expects are missing from the files, or have another shape.
         """
-        model, info = AutoModelForCausalLM.from_pretrained(
-            str(self._checkpoint_dir), dtype="auto", trust_remote_code=self._trust_remote_code,
-            output_loading_info=True)
+        with _no_progress_bars():
+            model, info = AutoModelForCausalLM.from_pretrained(
+                str(self._checkpoint_dir), dtype="auto", trust_remote_code=self._trust_remote_code,
+                output_loading_info=True)
         problems = [f"{key} missing" for key in sorted(info.get("missing_keys") or [])]
         problems += [f"{item[0] if isinstance(item, tuple) else item} has another shape"
                      for item in info.get("mismatched_keys") or []]
@@ -139,7 +155,8 @@ class HFCheckpointer:
         folder.mkdir(parents=True, exist_ok=True)
         model_state = dict(state_dict[MODEL_KEY])  # save_pretrained takes tensors out of the dict it gets
         dtype = next((t.dtype for t in model_state.values() if t.is_floating_point()), torch.float32)
-        self._skeleton(dtype).save_pretrained(str(folder), state_dict=model_state)
+        with _no_progress_bars():
+            self._skeleton(dtype).save_pretrained(str(folder), state_dict=model_state)
         for path in tokenizer_files(self._checkpoint_dir):
             shutil.copy2(path, folder / path.name)
         return folder
