@@ -31,6 +31,9 @@ FAMILIES: Dict[str, Dict[str, Any]] = {
                    layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=8),
     "llama": dict(model_type="llama", tie_word_embeddings=False),
     "mistral": dict(model_type="mistral", sliding_window=None, tie_word_embeddings=False),
+    # attention sinks, biases, fused experts with biases; eager attention (transformers has no sdpa for it)
+    "gpt_oss": dict(model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+                    layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=False),
 }
 
 TOKENIZER_FILES = {
@@ -67,3 +70,14 @@ class TinyFolders:
         if name not in self._written:  # a seed per family: llama and mistral have the same shapes
             self._written[name] = write_tiny(name, self.root / name, seed=sorted(FAMILIES).index(name))
         return self._written[name]
+
+
+def build_loaded(folder: Path, **kwargs):
+    """The recipes' flow: ``causal_lm`` on the meta device (fp32), the checkpointer's state dict loaded into it."""
+    from torchtune_ext.hf import HFCheckpointer, causal_lm, load_state
+
+    state = HFCheckpointer(folder, folder.parent / f"{folder.name}_unused_out").load_checkpoint()["model"]
+    with torch.device("meta"):
+        model = causal_lm(folder, dtype="fp32", **kwargs)
+    load_state(model, state, torch.device("cpu"))
+    return model

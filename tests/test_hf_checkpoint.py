@@ -16,10 +16,10 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from helpers import IGNORE, instruct_samples, windows
-from hf_tiny import TOKENIZER_FILES, TinyFolders
+from hf_tiny import TOKENIZER_FILES, TinyFolders, build_loaded
 from torchtune_ext.checkpoint import CheckpointManager, Progress
 from torchtune_ext.config import ConfigError
-from torchtune_ext.hf import HFCheckpointer, causal_lm, check_model_folder, load_state
+from torchtune_ext.hf import HFCheckpointer, causal_lm, check_model_folder
 from torchtune_ext.loss import SummedCrossEntropyLoss
 from torchtune_ext.step import train_step
 
@@ -33,10 +33,7 @@ def folders(tmp_path_factory):
 
 def trained(folder, steps=1, **kwargs):
     """A model of ``folder`` after ``steps`` SGD steps (its weights differ from the folder's)."""
-    state = HFCheckpointer(folder, folder.parent / "unused").load_checkpoint()["model"]
-    with torch.device("meta"):
-        model = causal_lm(folder, dtype="fp32", **kwargs)
-    load_state(model, state, CPU)
+    model = build_loaded(folder, **kwargs)
     loss_fn = SummedCrossEntropyLoss(num_output_chunks=1, ignore_index=IGNORE)
     loss_fn.take_output_projection(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -164,6 +161,15 @@ def test_attention_that_cannot_run_here(folders):
     assert "CUDA" in str(refused(folder, attn_implementation="flex_attention", device="cpu"))
     assert "expected one of sdpa" in str(refused(folder, attn_implementation="fast"))
     assert check_model_folder(folder, attn_implementation="eager", device="cpu").model_type == "llama"
+
+
+def test_attention_defaults_to_sdpa_where_the_model_has_it(folders):
+    """Left out, attn_implementation is transformers' choice: sdpa, or eager for a model without sdpa
+    (gpt-oss, whose attention sinks sdpa cannot take); asking sdpa of that model is refused."""
+    assert causal_lm(folders("qwen3")).config._attn_implementation == "sdpa"
+    assert causal_lm(folders("gpt_oss")).config._attn_implementation == "eager"
+    err = refused(folders("gpt_oss"), attn_implementation="sdpa")
+    assert err.key == "model.attn_implementation" and "GptOssForCausalLM does not support sdpa" in str(err)
 
 
 def test_the_check_reads_no_weights(folders, tmp_path):

@@ -10,29 +10,19 @@ import torch
 import torch.nn.functional as F
 
 from helpers import IGNORE, instruct_samples, rel_diff, windows
-from hf_tiny import FAMILIES, GEMMA_SOFTCAP, TinyFolders
+from hf_tiny import GEMMA_SOFTCAP, TinyFolders, build_loaded
 from torchtune_ext.data import collate_as_pack, collate_packed
-from torchtune_ext.hf import HFCheckpointer, causal_lm, load_state
 from torchtune_ext.loss import SummedCrossEntropyLoss, shift_labels
 from torchtune_ext.step import train_step
 
 CPU = torch.device("cpu")
 TOL = 1e-5
-NAMES = sorted(FAMILIES)
+NAMES = ["gemma3", "llama", "mistral", "qwen3", "qwen3_moe"]  # gpt-oss: tests/test_hf_moe.py
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     return TinyFolders(tmp_path_factory.mktemp("hf_models"))
-
-
-def build(folder, tmp_path, **kwargs):
-    """The recipes' flow: the checkpointer's state dict into a model built on meta."""
-    state = HFCheckpointer(folder, tmp_path / "ckpt_out").load_checkpoint()["model"]
-    with torch.device("meta"):
-        model = causal_lm(folder, dtype="fp32", **kwargs)
-    load_state(model, state, CPU)
-    return model
 
 
 def batch(seed=0, size=(3, 14)):
@@ -45,10 +35,10 @@ def batch(seed=0, size=(3, 14)):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_per_token_losses_equal_transformers(name, folders, tmp_path):
+def test_per_token_losses_equal_transformers(name, folders):
     """Our loss, applying the output projection to trainable rows only, gives transformers' own
     per-token cross-entropies (its logits, its loss with labels=), Gemma 3's soft cap included."""
-    model = build(folders(name), tmp_path)
+    model = build_loaded(folders(name))
     tokens, labels = batch()
     with torch.no_grad():
         reference = model(input_ids=tokens, labels=labels)  # transformers' own forward and loss
@@ -89,10 +79,10 @@ SAMPLES = instruct_samples([3, 0, 7, 2, 5, 1, 4, 6], [5, 9, 2, 11, 3, 8, 6, 1]) 
 
 @pytest.mark.parametrize("once", [True, False], ids=["once", "per_mb"])
 @pytest.mark.parametrize("name", NAMES)
-def test_batch_4_equals_batch_1_times_4(name, once, folders, tmp_path):
+def test_batch_4_equals_batch_1_times_4(name, once, folders):
     """batch 4 x GA 1 == batch 1 x GA 4: loss, grad norm and the weights after 2 SGD steps (fp32)."""
-    whole, whole_params = run_steps(build(folders(name), tmp_path), windows(SAMPLES, 4, 1), once)
-    split, split_params = run_steps(build(folders(name), tmp_path), windows(SAMPLES, 1, 4), once)
+    whole, whole_params = run_steps(build_loaded(folders(name)), windows(SAMPLES, 4, 1), once)
+    split, split_params = run_steps(build_loaded(folders(name)), windows(SAMPLES, 1, 4), once)
     for a, b in zip(whole, split):
         assert abs(a.loss - b.loss) <= TOL * abs(b.loss) and abs(a.grad_norm - b.grad_norm) <= TOL * b.grad_norm
         assert a.num_tokens == b.num_tokens
@@ -103,13 +93,13 @@ def test_batch_4_equals_batch_1_times_4(name, once, folders, tmp_path):
 # ----------------------------------------------------------------------------- packing
 @pytest.mark.parametrize("once", [True, False], ids=["once", "per_mb"])
 @pytest.mark.parametrize("name", ["gemma3", "qwen3_moe"])
-def test_packed_step_equals_padded_step(name, once, folders, tmp_path):
+def test_packed_step_equals_padded_step(name, once, folders):
     """Samples packed in one row (positions restart, block-causal mask) train as padded rows: Gemma 3 with
     a sliding window shorter than the samples, Qwen3-MoE whose routing is per token."""
-    padded, padded_params = run_steps(build(folders(name), tmp_path), windows(SAMPLES, 2, 2), once)
+    padded, padded_params = run_steps(build_loaded(folders(name)), windows(SAMPLES, 2, 2), once)
     packed_windows = [[collate_as_pack(SAMPLES[i:i + 2]), collate_as_pack(SAMPLES[i + 2:i + 4])]
                       for i in range(0, len(SAMPLES), 4)]
-    packed, packed_params = run_steps(build(folders(name), tmp_path), packed_windows, once)
+    packed, packed_params = run_steps(build_loaded(folders(name)), packed_windows, once)
     for a, b in zip(packed, padded):
         assert a.num_tokens == b.num_tokens
         assert abs(a.loss - b.loss) <= TOL * b.loss and abs(a.grad_norm - b.grad_norm) <= TOL * b.grad_norm
@@ -124,10 +114,10 @@ def hidden_of(model, micro_batch):
 
 
 @pytest.mark.parametrize("name", ["qwen3", "gemma3"])
-def test_documents_of_a_pack_do_not_see_each_other(name, folders, tmp_path):
+def test_documents_of_a_pack_do_not_see_each_other(name, folders):
     """Changing the first document of a pack changes nothing in the second; in one row without the
     positions' restart (a single document), the same change does reach it."""
-    model = build(folders(name), tmp_path)
+    model = build_loaded(folders(name))
     first, second = SAMPLES[3], SAMPLES[1]
     changed = dict(first, tokens=[(t + 7) % 120 + 3 for t in first["tokens"]])
     n = len(first["tokens"])
@@ -139,7 +129,7 @@ def test_documents_of_a_pack_do_not_see_each_other(name, folders, tmp_path):
     assert not torch.allclose(hidden_of(model, joined)[:, n:], hidden_of(model, {"tokens": b["tokens"]})[:, n:])
 
 
-def test_torchtune_packed_dataset_with_padding_equals_unpacked(folders, tmp_path):
+def test_torchtune_packed_dataset_with_padding_equals_unpacked(folders):
     """torchtune's PackedDataset (its padding continues the last document's positions, its mask makes the
     padding a document of its own) gives the per-sample losses of the unpacked samples."""
     from torchtune.datasets import PackedDataset
@@ -147,7 +137,7 @@ def test_torchtune_packed_dataset_with_padding_equals_unpacked(folders, tmp_path
     samples = SAMPLES[:3]
     pack = collate_packed([PackedDataset(samples, max_seq_len=64, padding_idx=0)[0]])
     assert pack["tokens"].shape[1] == 64 > sum(len(s["tokens"]) for s in samples)  # padded
-    model = build(folders("llama"), tmp_path)
+    model = build_loaded(folders("llama"))
     loss_fn = SummedCrossEntropyLoss(num_output_chunks=1, ignore_index=IGNORE)
     loss_fn.take_output_projection(model)
     with torch.no_grad():
@@ -157,10 +147,10 @@ def test_torchtune_packed_dataset_with_padding_equals_unpacked(folders, tmp_path
     assert abs(packed.item() - single.item()) <= TOL * single.item()
 
 
-def test_mask_that_positions_contradict_is_refused(folders, tmp_path):
+def test_mask_that_positions_contradict_is_refused(folders):
     """A block-causal mask whose second document does not restart its positions would let the documents
     attend to each other (transformers reads documents off the positions): refused."""
-    model = build(folders("llama"), tmp_path)
+    model = build_loaded(folders("llama"))
     pack = collate_as_pack(SAMPLES[:3])
     bad = dict(pack, input_pos=torch.arange(pack["tokens"].shape[1])[None])
     with pytest.raises(ValueError, match="does not restart"):

@@ -43,7 +43,7 @@ from torch import nn
 from torchtune import training
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.utils import is_flash_attn_2_available
 
 from torchtune_ext import distributed
@@ -85,7 +85,7 @@ def _multimodal_parts(config: Any) -> List[str]:
 
 
 def check_model_folder(path: Union[str, Path], *, key: str = "model.path", trust_remote_code: bool = False,
-                       attn_implementation: str = "sdpa", device: Optional[Union[str, torch.device]] = None):
+                       attn_implementation: Optional[str] = None, device: Optional[Union[str, torch.device]] = None):
     """Check that ``path`` holds a causal LM this transformers can build, before anything loads.
 
     Reads only ``config.json`` (and, for ``trust_remote_code: true``, the
@@ -96,8 +96,10 @@ def check_model_folder(path: Union[str, Path], *, key: str = "model.path", trust
         path: the model folder (``model.path`` / ``checkpointer.checkpoint_dir``).
         key: the config key ``path`` came from, for messages.
         trust_remote_code: allow a model whose code ships in the folder (``auto_map``).
-        attn_implementation: ``sdpa`` (default), ``eager``, ``flash_attention_2``
-            (needs the flash-attn package and CUDA) or ``flex_attention`` (CUDA).
+        attn_implementation: None (transformers' choice: ``sdpa`` where the
+            model supports it, else ``eager``), ``sdpa``, ``eager``,
+            ``flash_attention_2`` (needs the flash-attn package and CUDA) or
+            ``flex_attention`` (CUDA).
         device: the training device, to refuse a CUDA-only attention elsewhere;
             None skips that check.
 
@@ -150,12 +152,21 @@ def check_model_folder(path: Union[str, Path], *, key: str = "model.path", trust
         name = declared or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, type(config).__name__)
         raise ConfigError(key, f"{name} is a multimodal model ({', '.join(parts)}); these recipes train "
                           "text-only causal LMs: use the folder of a text-only model")
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None) if known else None
     _check_attention(attn_implementation, device, key.rsplit(".", 1)[0] + ".attn_implementation"
-                     if "." in key else "attn_implementation")
+                     if "." in key else "attn_implementation", model_class)
     return config
 
 
-def _check_attention(attn_implementation: str, device: Optional[Union[str, torch.device]], key: str) -> None:
+# What a transformers class says it supports, per attention implementation
+_SUPPORT_FLAGS = {"sdpa": "_supports_sdpa", "flash_attention_2": "_supports_flash_attn",
+                  "flex_attention": "_supports_flex_attn"}
+
+
+def _check_attention(attn_implementation: Optional[str], device: Optional[Union[str, torch.device]], key: str,
+                     model_class: Optional[type] = None) -> None:
+    if attn_implementation is None:
+        return  # transformers picks sdpa where the model supports it, else eager
     if attn_implementation not in ATTN_IMPLEMENTATIONS:
         raise ConfigError(key, f"expected one of {', '.join(ATTN_IMPLEMENTATIONS)}, got {attn_implementation!r}")
     on_cuda = device is not None and torch.device(device).type == "cuda"
@@ -165,6 +176,10 @@ def _check_attention(attn_implementation: str, device: Optional[Union[str, torch
         if not is_flash_attn_2_available():
             raise ConfigError(key, "flash_attention_2 needs the flash-attn package (pip install flash-attn) and a "
                               "CUDA GPU it supports; use sdpa")
+    flag = _SUPPORT_FLAGS.get(attn_implementation)
+    if model_class is not None and flag and not getattr(model_class, flag, False):
+        raise ConfigError(key, f"{model_class.__name__} does not support {attn_implementation} in transformers "
+                          f"{_transformers_version()}; use eager, or leave {key} out for transformers' choice")
 
 
 # --------------------------------------------------------------------------- the head
@@ -436,7 +451,7 @@ def _dtype(dtype: Optional[Union[str, torch.dtype]], config: Any) -> torch.dtype
     raise ConfigError("model.dtype", f"expected auto, fp32, bf16, fp16 or a torch dtype name, got {dtype!r}")
 
 
-def causal_lm(path: Union[str, Path], *, attn_implementation: str = "sdpa", trust_remote_code: bool = False,
+def causal_lm(path: Union[str, Path], *, attn_implementation: Optional[str] = None, trust_remote_code: bool = False,
               dtype: Optional[Union[str, torch.dtype]] = None, output_router_logits: bool = False,
               router_aux_loss_coef: Optional[float] = None) -> nn.Module:
     """The causal LM of a Hugging Face folder, built by transformers, random weights, torchtune's call convention.
@@ -451,8 +466,9 @@ def causal_lm(path: Union[str, Path], *, attn_implementation: str = "sdpa", trus
 
     Args:
         path: the model folder (``config.json``; weights are the checkpointer's job).
-        attn_implementation: transformers' ``sdpa`` (default), ``eager``,
-            ``flash_attention_2`` (flash-attn installed, CUDA) or ``flex_attention`` (CUDA).
+        attn_implementation: None (default): transformers' choice, ``sdpa``
+            where the model supports it, else ``eager``; or ``sdpa``, ``eager``,
+            ``flash_attention_2`` (flash-attn installed, CUDA), ``flex_attention`` (CUDA).
         trust_remote_code: allow a model whose code ships in the folder.
         dtype: None: the default dtype (the recipe's ``dtype``); ``auto``: the
             folder's ``config.json``; or ``fp32`` / ``bf16`` / a torch dtype name.
@@ -469,8 +485,9 @@ def causal_lm(path: Union[str, Path], *, attn_implementation: str = "sdpa", trus
     config = check_model_folder(path, trust_remote_code=trust_remote_code, attn_implementation=attn_implementation)
     if getattr(config, "use_cache", None):
         config.use_cache = False  # training: no KV cache
-    kwargs = dict(dtype=_dtype(dtype, config), attn_implementation=attn_implementation,
-                  trust_remote_code=trust_remote_code)
+    kwargs = dict(dtype=_dtype(dtype, config), trust_remote_code=trust_remote_code)
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
     if torch.empty(()).device.type == "meta":
         # Parameters on meta, buffers on CPU (accelerate's init_empty_weights), so that the buffers
         # hold transformers' values; FSDP2 moves them to the device.
