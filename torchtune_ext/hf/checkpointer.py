@@ -31,13 +31,14 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
-from torchtune_ext.checkpoint import MANIFEST, RECIPE_STATE
+from torchtune_ext.checkpoint import ADAPTER_DIR, MANIFEST, RECIPE_STATE
 from torchtune_ext.config import ConfigError
+from torchtune_ext.hf.lora import peft_model_from_state
 from torchtune_ext.hf.model import check_model_folder
 
 log = logging.getLogger(__name__)
 
-MODEL_KEY = "model"
+MODEL_KEY, ADAPTER_KEY, ADAPTER_CONFIG_KEY = "model", "adapter", "adapter_config"  # torchtune's training.*_KEY
 # Files of a model folder that the saved folder gets from save_pretrained, or that are not the model's.
 _WRITTEN_BY_SAVE = ("config.json", "generation_config.json", MANIFEST, RECIPE_STATE)
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json", ".msgpack", ".h5")
@@ -138,25 +139,47 @@ class HFCheckpointer:
 
         Args:
             state_dict: ``model``: the full model state dict (CPU), keys as
-                :meth:`load_checkpoint` gives them (the model's).
+                :meth:`load_checkpoint` gives them (the model's); for LoRA
+                what :func:`torchtune_ext.hf.lora.lora_checkpoint_state` gives
+                (``adapter``, ``adapter_config``, ``model`` unless ``adapter_only``):
+                the adapter goes to ``adapter/`` in PEFT's format (and
+                ``adapter_model.pt`` for resuming), the merged model to the folder.
             epoch: the folder's number (the recipes pass the optimizer step).
             intermediate_checkpoint: torchtune's argument, unused: the
                 recipes save their own training state beside it.
-            adapter_only: LoRA: nothing but the adapter (not supported yet here).
+            adapter_only: LoRA: nothing but the adapter.
 
         Returns:
             the folder written.
         """
         if self._config is None:
             raise RuntimeError("HFCheckpointer.save_checkpoint needs load_checkpoint first (the model's config)")
-        if adapter_only or "adapter" in state_dict:
-            raise NotImplementedError("LoRA checkpoints of transformers models are written by torchtune_ext.hf.lora")
         folder = self._output_dir / f"epoch_{epoch}"
         folder.mkdir(parents=True, exist_ok=True)
-        model_state = dict(state_dict[MODEL_KEY])  # save_pretrained takes tensors out of the dict it gets
-        dtype = next((t.dtype for t in model_state.values() if t.is_floating_point()), torch.float32)
         with _no_progress_bars():
-            self._skeleton(dtype).save_pretrained(str(folder), state_dict=model_state)
-        for path in tokenizer_files(self._checkpoint_dir):
-            shutil.copy2(path, folder / path.name)
+            if ADAPTER_KEY in state_dict:
+                self._save_lora(folder, state_dict, adapter_only)
+            else:
+                model_state = dict(state_dict[MODEL_KEY])  # save_pretrained takes tensors out of the dict it gets
+                dtype = next((t.dtype for t in model_state.values() if t.is_floating_point()), torch.float32)
+                self._skeleton(dtype).save_pretrained(str(folder), state_dict=model_state)
+        if not adapter_only:
+            for path in tokenizer_files(self._checkpoint_dir):
+                shutil.copy2(path, folder / path.name)
         return folder
+
+    def _save_lora(self, folder: Path, state_dict: Dict[str, Any], adapter_only: bool) -> None:
+        """``folder/adapter/``: PEFT's adapter files and ``adapter_model.pt`` (the training model's keys, for
+        resuming); unless ``adapter_only``, ``folder`` itself: the merged model (PEFT's merge_and_unload)."""
+        adapter = state_dict[ADAPTER_KEY]
+        state = adapter if adapter_only else {**state_dict[MODEL_KEY], **adapter}
+        peft_model = peft_model_from_state(self._config, state_dict[ADAPTER_CONFIG_KEY], state,
+                                           base_dir=str(self._checkpoint_dir.resolve()),
+                                           trust_remote_code=self._trust_remote_code)
+        # the adapter alone: an adapted lm_head must not bring the base embedding weights along
+        peft_model.save_pretrained(str(folder / ADAPTER_DIR), save_embedding_layers=False)
+        torch.save({k: v.detach().cpu() for k, v in adapter.items()}, folder / ADAPTER_DIR / "adapter_model.pt")
+        if not adapter_only:
+            merged = peft_model.merge_and_unload()
+            merged.generation_config = self._generation_config or merged.generation_config
+            merged.save_pretrained(str(folder))

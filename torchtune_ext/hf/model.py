@@ -558,7 +558,10 @@ def load_state(model: nn.Module, state_dict: Dict[str, torch.Tensor], device: Un
     On meta (:func:`causal_lm` under ``torch.device("meta")``) the tensors
     are cast to the model's dtypes, moved to ``device`` and assigned (no
     random initialization ever ran), tied weights are tied again and the
-    buffers move to ``device``. A sharded model loads with
+    buffers (and LoRA adapters initialized on CPU) move to ``device``. A
+    LoRA model's base weights load with ``strict=False`` after
+    :func:`torchtune_ext.hf.lora.model_keys`; the missing keys are then its
+    adapters'. A sharded model loads with
     :func:`torchtune_ext.distributed.load_full_model_state_dict`.
 
     Returns:
@@ -581,13 +584,10 @@ def load_state(model: nn.Module, state_dict: Dict[str, torch.Tensor], device: Un
         detail = "; ".join(line.strip() for line in str(err).splitlines()[:4] if line.strip())
         raise ConfigError("checkpointer.checkpoint_dir", f"the weights in '{source}' do not fit the model "
                           f"({detail})") from err
-    if on_meta:
-        model.tie_weights()
-        for module in model.modules():
-            for name, buffer in list(module._buffers.items()):
-                if buffer is not None and buffer.device != device:
-                    module._buffers[name] = buffer.to(device)
     meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if meta:
         raise ConfigError("checkpointer.checkpoint_dir", f"'{source}' holds no value for {meta[0]}")
+    if on_meta:
+        model.tie_weights()
+        model.to(device)  # the buffers (computed on CPU) and adapters initialized on CPU
     return type(keys)(list(keys.missing_keys), list(keys.unexpected_keys) + unexpected)
