@@ -158,3 +158,21 @@ def test_mask_that_positions_contradict_is_refused(folders):
     with pytest.raises(ValueError, match="needs input_pos"):
         with torch.no_grad():
             model(pack["tokens"], mask=pack["mask"])
+
+
+def test_flex_block_mask_is_checked_like_a_dense_one(folders):
+    """On CUDA torchtune's packed collator gives a flex-attention BlockMask instead of a dense mask: the same
+    check applies (built here on CPU with torchtune's mask rule)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    pack = collate_as_pack(SAMPLES[:3])
+    documents = pack["document_ids"]
+    length = documents.shape[1]
+    block_mask = create_block_mask(lambda b, h, q, kv: (q >= kv) & (documents[b, q] == documents[b, kv]),
+                                   1, None, length, length, device="cpu")
+    model = build_loaded(folders("llama"))
+    with torch.no_grad():
+        dense = model(pack["tokens"], mask=pack["mask"], input_pos=pack["input_pos"])
+        assert torch.equal(model(pack["tokens"], mask=block_mask, input_pos=pack["input_pos"]), dense)
+        with pytest.raises(ValueError, match="does not restart"):
+            model(pack["tokens"], mask=block_mask, input_pos=torch.arange(length)[None])
