@@ -21,7 +21,9 @@ weights of an adapted layer move under ``base_layer`` in the state dict
 (:func:`model_keys` renames a checkpoint's keys to match).
 """
 
-from typing import Any, Dict, List, Optional, Sequence
+import warnings
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import torch
 from peft import LoraConfig, get_peft_model, inject_adapter_in_model
@@ -35,6 +37,15 @@ from torchtune_ext.hf.model import causal_lm, decoder_layer_classes
 ADAPTER = "default"  # PEFT's adapter name
 # torchtune's attention projection names -> the names transformers' families give them
 _ATTENTION = {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "output_proj": "o_proj"}
+
+
+@contextmanager
+def _quiet_expert_adapters() -> Iterator[None]:
+    """PEFT warns "Unsupported layer type ... proceed at your own risk" for a module whose parameters it
+    adapts through target_parameters (fused experts): that is the documented use, tested here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Unsupported layer type .*Experts", category=UserWarning)
+        yield
 
 
 def _first_layer(model: nn.Module) -> nn.Module:
@@ -118,7 +129,8 @@ def lora_causal_lm(path: str, *, lora_attn_modules: Sequence[str], apply_lora_to
     config = lora_config(model, lora_attn_modules=lora_attn_modules, apply_lora_to_mlp=apply_lora_to_mlp,
                          apply_lora_to_output=apply_lora_to_output, lora_rank=lora_rank, lora_alpha=lora_alpha,
                          lora_dropout=lora_dropout, use_dora=use_dora)
-    inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+    with _quiet_expert_adapters():
+        inject_adapter_in_model(config, model, adapter_name=ADAPTER)
     for name, param in model.named_parameters():
         param.requires_grad_(".lora_" in name)
     return model
@@ -222,7 +234,8 @@ def peft_model_from_state(config: Any, adapter_config: Dict[str, Any], state: Di
     dtype = next((t.dtype for t in state.values() if t.is_floating_point()), torch.float32)
     with torch.device("meta"):
         base = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code, dtype=dtype)
-        peft_model = get_peft_model(base, lora, adapter_name=ADAPTER)
+        with _quiet_expert_adapters():
+            peft_model = get_peft_model(base, lora, adapter_name=ADAPTER)
     inner = peft_model.base_model.model
     _, unexpected = inner.load_state_dict({k: v.detach().clone() for k, v in state.items()}, strict=False,
                                           assign=True)

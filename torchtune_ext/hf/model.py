@@ -29,7 +29,6 @@ that without model code of our own:
 
 import inspect
 import json
-import logging
 import re
 import sys
 from dataclasses import dataclass
@@ -49,8 +48,6 @@ from transformers.utils import is_flash_attn_2_available
 from torchtune_ext import distributed
 from torchtune_ext.config import ConfigError
 from torchtune_ext.loss import OutputProjection
-
-log = logging.getLogger(__name__)
 
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flex_attention")
 
