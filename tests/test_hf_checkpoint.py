@@ -179,3 +179,25 @@ def test_the_check_reads_no_weights(folders, tmp_path):
     (folder / "config.json").write_text((folders("qwen3") / "config.json").read_text())
     (folder / "model.safetensors").write_text("not safetensors")
     assert check_model_folder(folder).model_type == "qwen3"
+
+
+def test_dtype_is_the_recipes_unless_asked(folders):
+    """dtype left out: the default dtype the recipe sets around instantiation; auto: config.json's; or named."""
+    from torchtune import training
+
+    folder = folders("qwen3")
+    with training.set_default_dtype(torch.bfloat16), torch.device("meta"):
+        assert causal_lm(folder).dtype == torch.bfloat16
+        assert causal_lm(folder, dtype="auto").dtype == torch.float32  # the tiny folder was saved in fp32
+        assert causal_lm(folder, dtype="fp16").dtype == torch.float16
+    with pytest.raises(ConfigError) as err:
+        causal_lm(folder, dtype="int3")
+    assert err.value.key == "model.dtype"
+
+
+def test_checkpoint_files_must_be_in_the_folder(folders, tmp_path):
+    folder = folders("qwen3")
+    HFCheckpointer(folder, tmp_path, checkpoint_files=["model.safetensors"])
+    with pytest.raises(ConfigError) as err:
+        HFCheckpointer(folder, tmp_path, checkpoint_files=["model-00001-of-00002.safetensors"])
+    assert err.value.key == "checkpointer.checkpoint_files"

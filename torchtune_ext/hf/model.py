@@ -443,9 +443,11 @@ def _dtype(dtype: Optional[Union[str, torch.dtype]], config: Any) -> torch.dtype
     names = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     if dtype in names:
         return names[dtype]
-    if isinstance(getattr(torch, str(dtype), None), torch.dtype):
-        return getattr(torch, str(dtype))
-    raise ConfigError("model.dtype", f"expected auto, fp32, bf16, fp16 or a torch dtype name, got {dtype!r}")
+    named = getattr(torch, str(dtype), None)
+    if isinstance(named, torch.dtype) and named.is_floating_point:
+        return named
+    raise ConfigError("model.dtype", f"expected auto, fp32, bf16, fp16 or a floating-point torch dtype name, "
+                      f"got {dtype!r}")
 
 
 def causal_lm(path: Union[str, Path], *, attn_implementation: Optional[str] = None, trust_remote_code: bool = False,
