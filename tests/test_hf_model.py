@@ -176,3 +176,26 @@ def test_flex_block_mask_is_checked_like_a_dense_one(folders):
         assert torch.equal(model(pack["tokens"], mask=block_mask, input_pos=pack["input_pos"]), dense)
         with pytest.raises(ValueError, match="does not restart"):
             model(pack["tokens"], mask=block_mask, input_pos=torch.arange(length)[None])
+
+
+def test_activation_checkpointing_per_decoder_layer_changes_nothing(folders):
+    """Every decoder layer (the model's _no_split_modules) recomputes in backward; the state dict keys,
+    loading on meta and the step's loss, grad norm and weights are as without it."""
+    from hf_tiny import build_loaded as plain
+    from torchtune_ext.hf import HFCheckpointer, causal_lm, load_state, set_activation_checkpointing
+
+    folder = folders("gemma3")
+    reference, reference_params = run_steps(plain(folder), windows(SAMPLES, 2, 2)[:1], once=True)
+    with torch.device("meta"):
+        model = causal_lm(folder, dtype="fp32")
+    keys = set(model.state_dict())
+    set_activation_checkpointing(model)
+    assert set(model.state_dict()) == keys
+    assert sum(1 for name, _ in model.named_modules() if name.endswith("._checkpoint_wrapped_module")) == 2
+    load_state(model, HFCheckpointer(folder, folder.parent / "unused_out").load_checkpoint()["model"], CPU)
+    checkpointed, params = run_steps(model, windows(SAMPLES, 2, 2)[:1], once=True)
+    params = {key.replace("._checkpoint_wrapped_module", ""): value for key, value in params.items()}
+    assert abs(checkpointed[0].loss - reference[0].loss) <= TOL * reference[0].loss
+    assert abs(checkpointed[0].grad_norm - reference[0].grad_norm) <= TOL * reference[0].grad_norm
+    for key, value in reference_params.items():
+        assert rel_diff(params[key], value) <= TOL, key
