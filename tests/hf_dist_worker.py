@@ -5,7 +5,8 @@
 
 Each case builds the tiny HF model of FOLDER the way the distributed recipes
 will: ``causal_lm`` on the meta device, optionally activation checkpointing
-(``ac``), ``torchtune_ext.hf.shard_model`` (FSDP2 per decoder layer, with
+(``ac``), LoRA (``lora``: torchtune's LoRA keys, adapters from one seed, B
+made nonzero by the first steps), ``torchtune_ext.hf.shard_model`` (FSDP2 per decoder layer, with
 ``cpu_offload``), the HF checkpointer's state dict loaded with
 ``distributed.load_full_model_state_dict``, the loss owning the output
 projection, then a few SGD steps of ``train_step`` over the step's samples
@@ -32,13 +33,19 @@ CPU = torch.device("cpu")
 
 def run_case(folder: str, case: dict, rank: int, world_size: int) -> dict:
     state = hf.HFCheckpointer(folder, f"{folder}/../worker_out_{rank}").load_checkpoint()["model"]
+    lora = case.get("lora")
     with torch.device("meta"):
-        model = hf.causal_lm(folder, dtype="fp32")
+        model = hf.lora_causal_lm(folder, dtype="fp32", **lora) if lora else hf.causal_lm(folder, dtype="fp32")
+    if lora:
+        hf.initialize_adapters(model, seed=7)  # on CPU, the same on every rank
+        state = hf.model_keys(model, state)
     if case.get("ac"):
         hf.set_activation_checkpointing(model)
     offload = case.get("cpu_offload", False)
     units = hf.shard_model(model, CPU, cpu_offload=offload)
-    distributed.load_full_model_state_dict(model, state, CPU, cpu_offload=offload, source=folder)
+    missing, _ = distributed.load_full_model_state_dict(model, state, CPU, cpu_offload=offload, source=folder,
+                                                        strict=not lora)
+    assert all(".lora_" in key for key in missing), missing
     loss_fn = SummedCrossEntropyLoss(num_output_chunks=1, ignore_index=IGNORE)
     loss_fn.take_output_projection(model)
 
@@ -55,8 +62,10 @@ def run_case(folder: str, case: dict, rank: int, world_size: int) -> dict:
         steps.append({"loss": r.loss, "grad_norm": r.grad_norm, "num_tokens": r.num_tokens})
     unit_names = [name for name, module in model.named_modules() if module in units]
     checkpointed = sum(1 for name, _ in model.named_modules() if name.endswith("_checkpoint_wrapped_module"))
-    return {"steps": steps, "params": distributed.gather_full_model_state_dict(model, CPU),
-            "units": unit_names, "checkpointed": checkpointed}
+    full = distributed.gather_full_model_state_dict(model, CPU)
+    base_moved = [key for key in state if key in full and not torch.equal(full[key], state[key].float())]
+    return {"steps": steps, "params": full, "units": unit_names, "checkpointed": checkpointed,
+            "base_moved": base_moved}
 
 
 def main(out_path: str, folder: str, cases_json: str) -> None:

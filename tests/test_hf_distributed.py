@@ -1,4 +1,4 @@
-"""A transformers model (tiny Qwen3, tied embeddings) on 2 ranks (FSDP2, gloo) equals one rank.
+"""A transformers model (tiny Qwen3, tied embeddings) on 2 ranks (FSDP2, gloo) equals one rank, full and LoRA.
 
 One launch per world size (tests/hf_dist_worker.py); global batch of 4
 samples per optimizer step everywhere, SGD with clipping, 2 steps.
@@ -16,10 +16,14 @@ from helpers import REPO_ROOT, rel_diff
 from hf_tiny import write_tiny
 
 TOL = 1e-5
+LORA = dict(lora_attn_modules=["q_proj", "v_proj", "output_proj"], apply_lora_to_mlp=True, lora_rank=4,
+            lora_alpha=8)
 CASES = {
-    1: [dict(name="w1_b4_ga1_once", batch_size=4, grad_accum=1, once=True)],
+    1: [dict(name="w1_b4_ga1_once", batch_size=4, grad_accum=1, once=True),
+        dict(name="lora_w1_b4_ga1_once", batch_size=4, grad_accum=1, once=True, lora=LORA)],
     2: [dict(name="w2_b2_ga1_once", batch_size=2, grad_accum=1, once=True),
-        dict(name="w2_b1_ga2_per_mb_ac_offload", batch_size=1, grad_accum=2, once=False, ac=True, cpu_offload=True)],
+        dict(name="w2_b1_ga2_per_mb_ac_offload", batch_size=1, grad_accum=2, once=False, ac=True, cpu_offload=True),
+        dict(name="lora_w2_b1_ga2_per_mb", batch_size=1, grad_accum=2, once=False, lora=LORA)],
 }
 
 
@@ -51,7 +55,7 @@ def results(tmp_path_factory):
 def test_two_ranks_equal_one(results, name):
     """Loss, grad norm (before clipping) and the trained weights of 2 ranks equal 1 rank's; FSDP units are
     the decoder layers (from _no_split_modules) and the root."""
-    reference, got = results["w1_b4_ga1_once"], results[name]
+    reference, got = results["lora_w1_b4_ga1_once" if name.startswith("lora") else "w1_b4_ga1_once"], results[name]
     assert len(got["steps"]) == len(reference["steps"]) == 2
     for a, b in zip(got["steps"], reference["steps"]):
         assert a["num_tokens"] == b["num_tokens"]
@@ -60,4 +64,8 @@ def test_two_ranks_equal_one(results, name):
     for key, value in reference["params"].items():
         assert rel_diff(got["params"][key], value) <= TOL, key
     assert got["units"] == ["", "model.layers.0", "model.layers.1"]
+    if name.startswith("lora"):  # the adapters trained, the base did not
+        assert got["base_moved"] == [] and any("lora_B" in k and v.abs().max() > 0 for k, v in got["params"].items())
+    else:
+        assert got["base_moved"]
     assert got["checkpointed"] == (2 if "_ac" in name else 0)
