@@ -18,7 +18,7 @@ in gathering the full state dicts, rank 0 receives them (on CPU) and writes.
 """
 
 import os
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -66,7 +66,7 @@ def _is_layer(name: str) -> bool:
 
 def shard_model(
     model: nn.Module, device: torch.device, *, cpu_offload: bool = False, reshard_after_forward: bool = True,
-    custom_sharded_layers: Optional[List[str]] = None,
+    custom_sharded_layers: Optional[List[str]] = None, is_block: Optional[Callable[[str, nn.Module], bool]] = None,
 ) -> List[FSDPModule]:
     """Shard ``model`` in place with FSDP2, summing (not averaging) gradients.
 
@@ -94,12 +94,16 @@ def shard_model(
             output projection of its own is gathered again each time the loss
             applies it). A tied output projection has no parameters of its
             own and is skipped.
+        is_block: ``(name, module) -> bool``, true for the transformer
+            blocks; default: modules named ``layers.<i>`` (torchtune's
+            decoders). transformers models pass their ``_no_split_modules``
+            (:func:`torchtune_ext.hf.shard_model`).
 
     Returns:
         The FSDP units, root last.
 
     Raises:
-        ValueError: if the model has no ``layers.<i>`` submodule.
+        ValueError: if the model has no transformer block.
         ConfigError: (key ``custom_sharded_layers``) a name that is not a module of the model.
     """
     mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
@@ -108,8 +112,9 @@ def shard_model(
         # Pinned host memory speeds host<->GPU copies; there is no GPU to pin for on CPU.
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     modules = dict(model.named_modules())
-    if not any(_is_layer(n) for n in modules):
-        raise ValueError("shard_model: no 'layers.<i>' submodule found; is this a torchtune TransformerDecoder?")
+    is_block = is_block or (lambda name, _module: _is_layer(name))
+    if not any(is_block(n, m) for n, m in modules.items()):
+        raise ValueError("shard_model: no transformer block found (torchtune: 'layers.<i>' submodules)")
     custom = list(custom_sharded_layers or [])
     unknown = [n for n in custom if n not in modules and n != "output"]  # a tied output is no module
     if unknown:
@@ -122,7 +127,7 @@ def shard_model(
                           "and must stay in the root FSDP unit; remove it from the list")
     # children before their parents, as fully_shard needs (named_modules lists parents first)
     blocks = [m for n, m in reversed(list(modules.items()))
-              if n and (_is_layer(n) or n in custom) and any(True for _ in m.parameters())]
+              if n and (is_block(n, m) or n in custom) and any(True for _ in m.parameters())]
     # The root (embeddings, final norm, output projection) stays unsharded from
     # forward to backward: the loss applies the output projection after the
     # root's forward and again in backward when it recomputes

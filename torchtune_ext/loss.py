@@ -157,6 +157,34 @@ def token_metric_sums(log_probs: torch.Tensor, targets: torch.Tensor) -> List[to
     return [correct, entropy]
 
 
+@dataclass
+class OutputProjection:
+    """What a model that is not a torchtune decoder hands to :meth:`SummedCrossEntropyLoss.take_output_projection`.
+
+    A model offers it with a method ``hand_over_output_projection()``, which
+    also switches the model to return its final hidden states
+    (:mod:`torchtune_ext.hf` does this for transformers models).
+
+    Attributes:
+        project: ``[rows, hidden]`` hidden states -> ``[rows, vocab]`` logits,
+            everything the model's head does included (e.g. a soft cap).
+        vocab_size: output width.
+        auxiliary: name -> (value, coefficient): per-micro-batch auxiliary
+            losses of the model's last forward (a MoE router's load
+            balancing), each a mean over the micro-batch's positions. The
+            loss adds ``coefficient * n * value`` (``n``: the micro-batch's
+            trainable tokens) to the gradient only and reports
+            ``n * value`` as a metric sum under ``name``: divided by the
+            step's tokens, each micro-batch's value weighs by its share of
+            the step's tokens, and the reported ``loss`` stays the
+            cross-entropy.
+    """
+
+    project: Callable[[torch.Tensor], torch.Tensor]
+    vocab_size: Optional[int]
+    auxiliary: Dict[str, Tuple[Callable[[], Optional[torch.Tensor]], float]] = field(default_factory=dict)
+
+
 def _output_width(output: Any) -> Optional[int]:
     """Vocabulary size of a torchtune output projection (``nn.Linear``, LoRA/DoRA linear, ``TiedLinear``)."""
     for name in ("out_features", "out_dim"):
@@ -235,11 +263,12 @@ class SummedCrossEntropyLoss(nn.Module):
         # output layer as a submodule of the loss.
         self._project: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
         self.vocab_size: Optional[int] = None
+        self._auxiliary: Dict[str, Tuple[Callable[[], Optional[torch.Tensor]], float]] = {}
 
     @property
     def metric_names(self) -> Tuple[str, ...]:
         """Names of the metric sums every ``forward`` returns, in a fixed order."""
-        return TOKEN_METRICS if self.token_metrics else ()
+        return (TOKEN_METRICS if self.token_metrics else ()) + tuple(self._auxiliary)
 
     @property
     def owns_output_projection(self) -> bool:
@@ -260,9 +289,19 @@ class SummedCrossEntropyLoss(nn.Module):
         the output projection, must not reshard after forward
         (:func:`torchtune_ext.distributed.shard_model` sees to that).
 
+        A model with a ``hand_over_output_projection()`` method (a
+        transformers model built by :func:`torchtune_ext.hf.causal_lm`)
+        switches itself to hidden states and hands over an
+        :class:`OutputProjection` instead.
+
         Raises:
             TypeError: ``model`` has no ``norm`` / ``output`` / ``unembed``.
         """
+        hand_over = getattr(model, "hand_over_output_projection", None)
+        if callable(hand_over):
+            handed = hand_over()
+            self._project, self.vocab_size, self._auxiliary = handed.project, handed.vocab_size, dict(handed.auxiliary)
+            return
         if not all(hasattr(model, name) for name in ("norm", "output", "unembed")):
             raise TypeError(f"{type(model).__name__} is not a torchtune TransformerDecoder "
                             "(needs norm, output and unembed)")
@@ -314,7 +353,7 @@ class SummedCrossEntropyLoss(nn.Module):
         if sum(lengths) != shifted_labels.size(1):
             raise ValueError(f"outputs cover {sum(lengths)} positions but labels have {shifted_labels.size(1)}")
         totals = [torch.zeros((), dtype=torch.float32, device=shifted_labels.device)
-                  for _ in range(1 + len(self.metric_names))]
+                  for _ in range(1 + len(TOKEN_METRICS if self.token_metrics else ()))]
         checkpointed = recompute_output and self._project is not None and torch.is_grad_enabled()
         for piece, labels in zip(pieces, shifted_labels.split(lengths, dim=1)):
             trainable = labels != self.ignore_index
@@ -335,6 +374,12 @@ class SummedCrossEntropyLoss(nn.Module):
                     log_probs = self._log_probs(chunk_rows)
                 totals = [total + part for total, part in zip(totals, self._chunk_sums(log_probs, chunk_targets))]
                 del log_probs
+        for name, (value, coefficient) in self._auxiliary.items():
+            aux = value()
+            weighted = (shifted_labels != self.ignore_index).sum() * aux if aux is not None else totals[0] * 0
+            # In the gradient only: the reported loss stays the cross-entropy (see OutputProjection).
+            totals[0] = totals[0] + coefficient * (weighted - weighted.detach())
+            totals.append(weighted.detach().float())
         return TokenSums(loss=totals[0], metrics=dict(zip(self.metric_names, totals[1:])))
 
 

@@ -1,0 +1,80 @@
+"""torchrun worker for the data-parallel test of transformers models (tests/test_hf_distributed.py).
+
+    torchrun --nproc_per_node N tests/hf_dist_worker.py OUT.pt FOLDER CASES_JSON
+    python tests/hf_dist_worker.py OUT.pt FOLDER CASES_JSON      # one rank
+
+Each case builds the tiny HF model of FOLDER the way the distributed recipes
+will: ``causal_lm`` on the meta device, optionally activation checkpointing
+(``ac``), LoRA (``lora``: torchtune's LoRA keys, adapters from one seed, B
+made nonzero by the first steps), ``torchtune_ext.hf.shard_model`` (FSDP2 per decoder layer, with
+``cpu_offload``), the HF checkpointer's state dict loaded with
+``distributed.load_full_model_state_dict``, the loss owning the output
+projection, then a few SGD steps of ``train_step`` over the step's samples
+split over ranks (``batch_size`` per rank, ``grad_accum`` micro-batches,
+``once``: backward once per step). Rank 0 saves, per case, the step results,
+the full trained weights and the FSDP units.
+"""
+
+import json
+import sys
+from types import SimpleNamespace
+
+import torch
+from omegaconf import OmegaConf
+
+from helpers import IGNORE
+from torchtune_ext import distributed, hf
+from torchtune_ext.data import StepLoader, build_dataset, make_collate
+from torchtune_ext.loss import SummedCrossEntropyLoss
+from torchtune_ext.step import train_step
+
+CPU = torch.device("cpu")
+
+
+def run_case(folder: str, case: dict, rank: int, world_size: int) -> dict:
+    state = hf.HFCheckpointer(folder, f"{folder}/../worker_out_{rank}").load_checkpoint()["model"]
+    lora = case.get("lora")
+    with torch.device("meta"):
+        model = hf.lora_causal_lm(folder, dtype="fp32", **lora) if lora else hf.causal_lm(folder, dtype="fp32")
+    if lora:
+        hf.initialize_adapters(model, seed=7)  # on CPU, the same on every rank
+        state = hf.model_keys(model, state)
+    if case.get("ac"):
+        hf.set_activation_checkpointing(model)
+    offload = case.get("cpu_offload", False)
+    units = hf.shard_model(model, CPU, cpu_offload=offload)
+    missing, _ = distributed.load_full_model_state_dict(model, state, CPU, cpu_offload=offload, source=folder,
+                                                        strict=not lora)
+    assert all(".lora_" in key for key in missing), missing
+    loss_fn = SummedCrossEntropyLoss(num_output_chunks=1, ignore_index=IGNORE)
+    loss_fn.take_output_projection(model)
+
+    dataset = OmegaConf.create({"_component_": "helpers.synthetic_sft_dataset", "num_samples": 8})
+    samples, packed = build_dataset(dataset, SimpleNamespace(pad_id=0))
+    loader = StepLoader(samples, make_collate(packed, 0, IGNORE), batch_size=case["batch_size"],
+                        gradient_accumulation_steps=case["grad_accum"], seed=5, ignore_index=IGNORE,
+                        dp_rank=rank, dp_world_size=world_size)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    steps = []
+    for i, step_data in enumerate(loader.epoch(0)):
+        r = train_step(model, optimizer, loss_fn, step_data.micro_batches, device=CPU,
+                       backward_once_per_step=case["once"], clip_grad_norm=1.0, step=i + 1)
+        steps.append({"loss": r.loss, "grad_norm": r.grad_norm, "num_tokens": r.num_tokens})
+    unit_names = [name for name, module in model.named_modules() if module in units]
+    checkpointed = sum(1 for name, _ in model.named_modules() if name.endswith("_checkpoint_wrapped_module"))
+    full = distributed.gather_full_model_state_dict(model, CPU)
+    base_moved = [key for key in state if key in full and not torch.equal(full[key], state[key].float())]
+    return {"steps": steps, "params": full, "units": unit_names, "checkpointed": checkpointed,
+            "base_moved": base_moved}
+
+
+def main(out_path: str, folder: str, cases_json: str) -> None:
+    rank, world_size = distributed.init_process_group(CPU)
+    results = {case["name"]: run_case(folder, case, rank, world_size) for case in json.loads(cases_json)}
+    if rank == 0:
+        torch.save(results, out_path)
+    distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])

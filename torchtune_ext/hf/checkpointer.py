@@ -1,0 +1,185 @@
+"""Hugging Face folders in, Hugging Face folders out: the checkpointer of transformers models.
+
+:class:`HFCheckpointer` has torchtune's checkpointer interface, which
+:class:`torchtune_ext.checkpoint.CheckpointManager` drives
+(``load_checkpoint()`` -> ``{"model": state_dict}``; ``save_checkpoint(state,
+epoch=step, adapter_only=...)`` writes ``<output_dir>/epoch_<step>/``), but
+leaves every format question to transformers:
+
+* loading is ``AutoModelForCausalLM.from_pretrained`` on CPU in the files'
+  dtype, and the state dict is that model's: keys as the model has them
+  after transformers' weight conversions (transformers 5 fuses the experts
+  of a mixture-of-experts layer into one tensor, where the files hold one
+  tensor per expert), so it loads into :func:`torchtune_ext.hf.causal_lm`
+  with ``load_state_dict``;
+* saving is ``save_pretrained`` of a model skeleton on the meta device with
+  the given state dict, which undoes those conversions, drops tied copies
+  and writes safetensors, ``config.json`` and ``generation_config.json``;
+  the tokenizer files of the folder it loaded from are copied beside them.
+
+A saved folder is again a model folder: ``from_pretrained`` loads it, and it
+is what a resumed run loads from.
+"""
+
+import logging
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Union
+
+import torch
+from transformers import AutoModelForCausalLM
+from transformers.utils import logging as hf_logging
+
+from torchtune_ext.checkpoint import ADAPTER_DIR, MANIFEST, RECIPE_STATE
+from torchtune_ext.config import ConfigError
+from torchtune_ext.hf.lora import peft_model_from_state
+from torchtune_ext.hf.model import check_model_folder
+
+log = logging.getLogger(__name__)
+
+MODEL_KEY, ADAPTER_KEY, ADAPTER_CONFIG_KEY = "model", "adapter", "adapter_config"  # torchtune's training.*_KEY
+# Files of a model folder that the saved folder gets from save_pretrained, or that are not the model's.
+_WRITTEN_BY_SAVE = ("config.json", "generation_config.json", MANIFEST, RECIPE_STATE)
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json", ".msgpack", ".h5")
+
+
+def _is_weights(name: str) -> bool:
+    return name.endswith(_WEIGHT_SUFFIXES)
+
+
+def tokenizer_files(folder: Union[str, Path]) -> List[Path]:
+    """The files a saved folder copies from the folder it loaded from: every top-level file that is neither
+    weights nor written by ``save_pretrained`` (tokenizer files, chat template, README, license)."""
+    return sorted(p for p in Path(folder).iterdir()
+                  if p.is_file() and p.name not in _WRITTEN_BY_SAVE and not _is_weights(p.name))
+
+
+@contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """transformers' progress bars ("Loading weights", "Writing model shards") off: one line per tensor
+    group in a recipe's log says nothing the checkpoint log line does not."""
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
+
+
+class HFCheckpointer:
+    """Reads and writes Hugging Face model folders (see the module docstring).
+
+    Args:
+        checkpoint_dir: the model folder to load (``config.json`` + safetensors).
+        output_dir: where ``save_checkpoint`` writes ``epoch_<N>/`` (the
+            recipes redirect it to their staging folder).
+        checkpoint_files: optional; the weight files the folder must hold
+            (the checkpoint manager names them when it resumes). transformers
+            reads the folder's weights itself (``model.safetensors`` or its index).
+        trust_remote_code: allow a model whose code ships in the folder (as ``model.trust_remote_code``).
+
+    Raises:
+        ConfigError: (key ``checkpointer.checkpoint_dir``) see
+            :func:`torchtune_ext.hf.check_model_folder`; (``checkpointer.checkpoint_files``)
+            a named file that is not in the folder.
+    """
+
+    def __init__(self, checkpoint_dir: Union[str, Path], output_dir: Union[str, Path],
+                 checkpoint_files: Optional[List[str]] = None, trust_remote_code: bool = False):
+        self._checkpoint_dir = Path(str(checkpoint_dir))
+        self._output_dir = Path(str(output_dir))
+        self._trust_remote_code = trust_remote_code
+        check_model_folder(self._checkpoint_dir, key="checkpointer.checkpoint_dir",
+                           trust_remote_code=trust_remote_code)
+        for name in list(checkpoint_files or []):
+            if not (self._checkpoint_dir / str(name)).is_file():
+                raise ConfigError("checkpointer.checkpoint_files", f"'{self._checkpoint_dir / str(name)}' does not "
+                                  "exist (transformers reads the folder's own weights; the list may be left out)")
+        self._config = None
+        self._generation_config = None
+        self._output_dir.mkdir(parents=True, exist_ok=True)  # as torchtune's checkpointers do
+
+    def load_checkpoint(self) -> Dict[str, Any]:
+        """``{"model": state_dict}``: the folder's weights as transformers' model holds them, on CPU, in the files' dtype.
+
+        Raises:
+            ConfigError: (key ``checkpointer.checkpoint_dir``) weights the model
+                expects are missing from the files, or have another shape.
+        """
+        with _no_progress_bars():
+            model, info = AutoModelForCausalLM.from_pretrained(
+                str(self._checkpoint_dir), dtype="auto", trust_remote_code=self._trust_remote_code,
+                output_loading_info=True)
+        problems = [f"{key} missing" for key in sorted(info.get("missing_keys") or [])]
+        problems += [f"{item[0] if isinstance(item, tuple) else item} has another shape"
+                     for item in info.get("mismatched_keys") or []]
+        if problems:
+            raise ConfigError("checkpointer.checkpoint_dir", f"the weights in '{self._checkpoint_dir}' do not fit "
+                              f"its config.json: {'; '.join(problems[:3])}")
+        if info.get("unexpected_keys"):
+            log.warning("%s: weights the model does not use were not loaded: %s", self._checkpoint_dir,
+                        ", ".join(sorted(info["unexpected_keys"])[:5]))
+        self._config, self._generation_config = model.config, model.generation_config
+        return {MODEL_KEY: model.state_dict()}
+
+    def _skeleton(self, dtype: torch.dtype):
+        """The model on the meta device, for ``save_pretrained`` (which knows the weight conversions to undo)."""
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(self._config, dtype=dtype,
+                                                        trust_remote_code=self._trust_remote_code)
+        if self._generation_config is not None:
+            skeleton.generation_config = self._generation_config
+        return skeleton
+
+    def save_checkpoint(self, state_dict: Dict[str, Any], epoch: int, intermediate_checkpoint: bool = False,
+                        adapter_only: bool = False) -> Path:
+        """Write ``<output_dir>/epoch_<epoch>/`` as a Hugging Face model folder.
+
+        Args:
+            state_dict: ``model``: the full model state dict (CPU), keys as
+                :meth:`load_checkpoint` gives them (the model's); for LoRA
+                what :func:`torchtune_ext.hf.lora.lora_checkpoint_state` gives
+                (``adapter``, ``adapter_config``, ``model`` unless ``adapter_only``):
+                the adapter goes to ``adapter/`` in PEFT's format (and
+                ``adapter_model.pt`` for resuming), the merged model to the folder.
+            epoch: the folder's number (the recipes pass the optimizer step).
+            intermediate_checkpoint: torchtune's argument, unused: the
+                recipes save their own training state beside it.
+            adapter_only: LoRA: nothing but the adapter.
+
+        Returns:
+            the folder written.
+        """
+        if self._config is None:
+            raise RuntimeError("HFCheckpointer.save_checkpoint needs load_checkpoint first (the model's config)")
+        folder = self._output_dir / f"epoch_{epoch}"
+        folder.mkdir(parents=True, exist_ok=True)
+        with _no_progress_bars():
+            if ADAPTER_KEY in state_dict:
+                self._save_lora(folder, state_dict, adapter_only)
+            else:
+                model_state = dict(state_dict[MODEL_KEY])  # save_pretrained takes tensors out of the dict it gets
+                dtype = next((t.dtype for t in model_state.values() if t.is_floating_point()), torch.float32)
+                self._skeleton(dtype).save_pretrained(str(folder), state_dict=model_state)
+        if not adapter_only:
+            for path in tokenizer_files(self._checkpoint_dir):
+                shutil.copy2(path, folder / path.name)
+        return folder
+
+    def _save_lora(self, folder: Path, state_dict: Dict[str, Any], adapter_only: bool) -> None:
+        """``folder/adapter/``: PEFT's adapter files and ``adapter_model.pt`` (the training model's keys, for
+        resuming); unless ``adapter_only``, ``folder`` itself: the merged model (PEFT's merge_and_unload)."""
+        adapter = state_dict[ADAPTER_KEY]
+        state = adapter if adapter_only else {**state_dict[MODEL_KEY], **adapter}
+        peft_model = peft_model_from_state(self._config, state_dict[ADAPTER_CONFIG_KEY], state,
+                                           base_dir=str(self._checkpoint_dir.resolve()),
+                                           trust_remote_code=self._trust_remote_code)
+        # the adapter alone: an adapted lm_head must not bring the base embedding weights along
+        peft_model.save_pretrained(str(folder / ADAPTER_DIR), save_embedding_layers=False)
+        torch.save({k: v.detach().cpu() for k, v in adapter.items()}, folder / ADAPTER_DIR / "adapter_model.pt")
+        if not adapter_only:
+            merged = peft_model.merge_and_unload()
+            merged.generation_config = self._generation_config or merged.generation_config
+            merged.save_pretrained(str(folder))

@@ -1,0 +1,592 @@
+"""Hugging Face causal LMs in the recipes' flow: built by transformers, called as torchtune calls a decoder.
+
+The recipes build a model from the config, load the checkpointer's state
+dict into it, hand its output projection to the loss and call it as
+``model(tokens, mask=..., input_pos=...)`` (:func:`torchtune_ext.step.forward_sums`).
+:func:`causal_lm` gives a transformers ``PreTrainedModel`` that does all of
+that without model code of our own:
+
+* the architecture, weights layout and attention kernels are transformers'
+  (``AutoModelForCausalLM.from_config`` on the folder's ``config.json``);
+  state dict keys are transformers' (``model.layers.0.self_attn.q_proj.weight``);
+* the instance's class gets a thin subclass (as FSDP2's ``fully_shard``
+  does) whose ``forward`` also accepts torchtune's call: ``tokens`` ``[b, s]``,
+  ``input_pos`` ``[b, s]`` as transformers' ``position_ids``. Packed rows
+  (positions restarting at 0 for every document) keep attention inside each
+  document through transformers' own packed-sequence detection, which works
+  for every attention implementation and for sliding-window layers; the
+  collator's block-causal ``mask`` is only checked against the positions
+  (see :func:`_check_documents`). Called as transformers calls it
+  (``input_ids=``, ``labels=``, ``generate``), it is transformers' forward;
+* :meth:`TorchtuneCall.hand_over_output_projection` lets
+  :class:`torchtune_ext.loss.SummedCrossEntropyLoss` apply the output
+  projection to trainable rows only, with whatever the family's head does
+  after its matmul (Gemma 2/3 ``final_logit_softcapping``, Cohere's
+  ``logit_scale``, Granite's ``logits_scaling``), read from the class's own
+  forward so that an unknown head transform is refused rather than dropped
+  (:func:`_head_transforms`).
+"""
+
+import inspect
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+
+import torch
+import transformers
+from accelerate import init_empty_weights
+from torch import nn
+from torchtune import training
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.utils import is_flash_attn_2_available
+
+from torchtune_ext import distributed
+from torchtune_ext.config import ConfigError
+from torchtune_ext.loss import OutputProjection
+
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flex_attention")
+
+
+def _transformers_version() -> str:
+    return transformers.__version__
+
+
+def _read_config_json(folder: Path, key: str) -> Dict[str, Any]:
+    if not folder.is_dir():
+        raise ConfigError(key, f"'{folder}' is not a folder: point {key} at a Hugging Face model folder "
+                          "(config.json, *.safetensors and tokenizer files, as `hf download <repo> --local-dir "
+                          "<folder>` leaves it)")
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ConfigError(key, f"'{folder}' has no config.json: point {key} at a Hugging Face model folder "
+                          "(config.json, *.safetensors and tokenizer files, as `hf download <repo> --local-dir "
+                          "<folder>` leaves it)")
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(key, f"'{path}' cannot be read as JSON ({err})") from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("model_type"), str):
+        raise ConfigError(key, f"'{path}' names no model_type: it is not a transformers model config")
+    return raw
+
+
+def _multimodal_parts(config: Any) -> List[str]:
+    """Sub-configs of a composite config that are not text (``vision_config``, ``audio_config``, ...)."""
+    return sorted(name for name in getattr(config, "sub_configs", {}) or {}
+                  if name != "text_config" and getattr(config, name, None) is not None)
+
+
+def check_model_folder(path: Union[str, Path], *, key: str = "model.path", trust_remote_code: bool = False,
+                       attn_implementation: Optional[str] = None, device: Optional[Union[str, torch.device]] = None):
+    """Check that ``path`` holds a causal LM this transformers can build, before anything loads.
+
+    Reads only ``config.json`` (and, for ``trust_remote_code: true``, the
+    folder's configuration code). Call it from the config validation; the
+    builders call it too.
+
+    Args:
+        path: the model folder (``model.path`` / ``checkpointer.checkpoint_dir``).
+        key: the config key ``path`` came from, for messages.
+        trust_remote_code: allow a model whose code ships in the folder (``auto_map``).
+        attn_implementation: None (transformers' choice: ``sdpa`` where the
+            model supports it, else ``eager``), ``sdpa``, ``eager``,
+            ``flash_attention_2`` (needs the flash-attn package and CUDA) or
+            ``flex_attention`` (CUDA).
+        device: the training device, to refuse a CUDA-only attention elsewhere;
+            None skips that check.
+
+    Returns:
+        the model's ``transformers.PretrainedConfig``.
+
+    Raises:
+        ConfigError: one line naming the key: no folder or no ``config.json``;
+            a ``model_type`` this transformers does not know (naming its
+            version); a model whose code is in the folder without
+            ``trust_remote_code``; a model that is not a text-only causal LM
+            (naming its class); an attention implementation that cannot run.
+    """
+    folder = Path(str(path)).expanduser()
+    raw = _read_config_json(folder, key)
+    model_type = raw["model_type"]
+    auto_map = raw.get("auto_map") or {}
+    known = model_type in CONFIG_MAPPING_NAMES
+    remote_key = key.rsplit(".", 1)[0] + ".trust_remote_code" if "." in key else "trust_remote_code"
+    if not known:
+        if not auto_map:
+            raise ConfigError(key, f"model_type '{model_type}' in {folder / 'config.json'} is not known to "
+                              f"transformers {_transformers_version()}: upgrade transformers (pip install -U "
+                              "transformers) or use a model of a family it knows")
+        if not trust_remote_code:
+            raise ConfigError(remote_key, f"the model in '{folder}' ({model_type}) runs code that ships in the "
+                              f"folder (config.json auto_map: {', '.join(sorted(auto_map))}); read that code, then "
+                              f"set {remote_key}=true to allow it")
+        if "AutoModelForCausalLM" not in auto_map:
+            raise ConfigError(key, f"the model in '{folder}' ({model_type}) has no AutoModelForCausalLM in its "
+                              "auto_map: it is not a causal language model")
+    architectures = raw.get("architectures") or []
+    declared = architectures[0] if architectures else None
+    if known:
+        causal_class = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+        if causal_class is None:
+            raise ConfigError(key, f"{declared or model_type} (model_type '{model_type}') is not a causal language "
+                              "model transformers' AutoModelForCausalLM can build; these recipes train text-only "
+                              "causal LMs")
+        if declared and declared != causal_class and not declared.endswith(("ForCausalLM", "LMHeadModel")):
+            raise ConfigError(key, f"{declared} (in {folder / 'config.json'}) is not a causal language model; "
+                              "these recipes train text-only causal LMs (AutoModelForCausalLM)")
+    try:
+        config = AutoConfig.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
+    except Exception as err:  # transformers raises ValueError, OSError, KeyError ... for a config it cannot read
+        raise ConfigError(key, f"transformers {_transformers_version()} cannot read {folder / 'config.json'}: "
+                          f"{str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
+    parts = _multimodal_parts(config)
+    if parts:
+        name = declared or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, type(config).__name__)
+        raise ConfigError(key, f"{name} is a multimodal model ({', '.join(parts)}); these recipes train "
+                          "text-only causal LMs: use the folder of a text-only model")
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None) if known else None
+    _check_attention(attn_implementation, device, key.rsplit(".", 1)[0] + ".attn_implementation"
+                     if "." in key else "attn_implementation", model_class)
+    return config
+
+
+# What a transformers class says it supports, per attention implementation
+_SUPPORT_FLAGS = {"sdpa": "_supports_sdpa", "flash_attention_2": "_supports_flash_attn",
+                  "flex_attention": "_supports_flex_attn"}
+
+
+def _check_attention(attn_implementation: Optional[str], device: Optional[Union[str, torch.device]], key: str,
+                     model_class: Optional[type] = None) -> None:
+    if attn_implementation is None:
+        return  # transformers picks sdpa where the model supports it, else eager
+    if attn_implementation not in ATTN_IMPLEMENTATIONS:
+        raise ConfigError(key, f"expected one of {', '.join(ATTN_IMPLEMENTATIONS)}, got {attn_implementation!r}")
+    on_cuda = device is not None and torch.device(device).type == "cuda"
+    if attn_implementation in ("flash_attention_2", "flex_attention") and device is not None and not on_cuda:
+        raise ConfigError(key, f"{attn_implementation} runs on CUDA only, the device is {device}; use sdpa")
+    if attn_implementation == "flash_attention_2":
+        if not is_flash_attn_2_available():
+            raise ConfigError(key, "flash_attention_2 needs the flash-attn package (pip install flash-attn) and a "
+                              "CUDA GPU it supports; use sdpa")
+    flag = _SUPPORT_FLAGS.get(attn_implementation)
+    if model_class is not None and flag and not getattr(model_class, flag, False):
+        raise ConfigError(key, f"{model_class.__name__} does not support {attn_implementation} in transformers "
+                          f"{_transformers_version()}; use eager, or leave {key} out for transformers' choice")
+
+
+# --------------------------------------------------------------------------- the head
+@dataclass(frozen=True)
+class HeadTransform:
+    """What a family's causal-LM head does to ``lm_head``'s output, element-wise.
+
+    Attributes:
+        softcap: ``cap * tanh(logits / cap)`` (Gemma 2/3 ``final_logit_softcapping``); None: off.
+        multiply: logits times this (Cohere ``logit_scale``); 1.0: off.
+        divide: logits divided by this (Granite ``logits_scaling``); 1.0: off.
+    """
+
+    softcap: Optional[float] = None
+    multiply: float = 1.0
+    divide: float = 1.0
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.multiply != 1.0:
+            logits = logits * self.multiply
+        if self.divide != 1.0:
+            logits = logits / self.divide
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
+# Lines a causal LM's forward may have between its lm_head call and its loss, as transformers
+# writes them (comments stripped): each maps to what HeadTransform reproduces.
+_LM_HEAD_CALLS = {
+    "logits = self.lm_head(hidden_states[:, slice_indices, :])",
+    "logits = self.lm_head(hidden_states[:, slice_indices, :]).float()",
+    "logits = self.lm_head(hidden_states[:, slice_indices, :].to(self.lm_head.weight.dtype)).float()",
+    "logits = self.lm_head(hidden_states[:, slice_indices, :]).contiguous()",
+    "lm_logits = self.lm_head(hidden_states[:, slice_indices, :])",
+}
+_SOFTCAP_LINES = {
+    "if self.config.final_logit_softcapping is not None:",
+    "logits = logits / self.config.final_logit_softcapping",
+    "logits = torch.tanh(logits)",
+    "logits = logits * self.config.final_logit_softcapping",
+}
+_MULTIPLY_LINE = "logits = logits * self.logit_scale"
+_DIVIDE_LINE = "logits = logits / self.config.logits_scaling"
+_HEAD_END = re.compile(r"^(loss\b|if labels\b|return\b|aux_loss\b)")
+
+
+def _head_transforms(model: nn.Module, cls: type) -> HeadTransform:
+    """Read off ``cls.forward`` what it does to ``lm_head``'s output; refuse what we cannot reproduce.
+
+    Raises:
+        ConfigError: (key ``model``) the forward's source cannot be read, its
+            lm_head call is not one we know, or a line after it is not a
+            transform of :class:`HeadTransform`.
+    """
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError) as err:
+        raise ConfigError("model", f"the source of {cls.__name__}.forward cannot be read ({err}), so what it does "
+                          "after its output projection is unknown") from None
+    lines = [line.split("#", 1)[0].strip() for line in source.splitlines()]
+    lines = [line for line in lines if line]
+    calls = [i for i, line in enumerate(lines) if "self.lm_head(" in line]
+    if len(calls) != 1 or lines[calls[0]] not in _LM_HEAD_CALLS:
+        found = lines[calls[0]] if calls else "no lm_head call"
+        raise ConfigError("model", f"{cls.__name__} computes its logits in a way torchtune_ext.hf does not know "
+                          f"({found!r}); its output projection cannot be handed to the loss")
+    config, multiply, divide, softcap = model.config, 1.0, 1.0, None
+    for line in lines[calls[0] + 1:]:
+        if _HEAD_END.match(line):
+            break
+        if line in _SOFTCAP_LINES:
+            softcap = getattr(config, "final_logit_softcapping", None)
+        elif line == _MULTIPLY_LINE:
+            multiply = float(model.logit_scale)
+        elif line == _DIVIDE_LINE:
+            divide = float(config.logits_scaling)
+        else:
+            raise ConfigError("model", f"{cls.__name__} does more after its output projection than "
+                              f"torchtune_ext.hf reproduces ({line!r}); its loss would differ from the model's")
+    return HeadTransform(softcap=float(softcap) if softcap is not None else None, multiply=multiply, divide=divide)
+
+
+# --------------------------------------------------------------------------- packed rows
+def _separates(mask: Any, batch: int, seq_len: int) -> torch.Tensor:
+    """``[batch, seq_len - 1]`` bool: position ``t + 1`` may not attend to ``t`` (a document starts at ``t + 1``).
+
+    ``mask``: torchtune's block-causal mask, a ``[b, s, s]`` bool tensor (True
+    = may attend) or, on CUDA with flex attention, a ``BlockMask``.
+    """
+    query = torch.arange(1, seq_len)
+    if isinstance(mask, torch.Tensor):
+        return ~mask[:, query, query - 1].bool()
+    device = getattr(mask, "kv_indices", query).device
+    b = torch.arange(batch, device=device)[:, None]
+    q = query.to(device)[None, :]
+    heads = torch.zeros_like(b)
+    return ~mask.mask_mod(b, heads, q, q - 1)
+
+
+def _check_documents(mask: Any, input_pos: Optional[torch.Tensor], tokens: torch.Tensor) -> None:
+    """Check that the collator's block-causal ``mask`` and the positions tell the same documents.
+
+    transformers finds the documents of a packed row from its positions (a
+    new document wherever the position does not go up by 1), so a document
+    the mask separates must start with a position restart. One exception: a
+    last segment the mask separates while its positions go on counting is
+    torchtune's ``PackedDataset`` padding (its ``input_pos`` continue the
+    last document); no label is trained there and no earlier token attends
+    to it, so it changes nothing.
+
+    Raises:
+        ValueError: ``mask`` without ``input_pos``, or a document boundary of
+            the mask where the positions go on counting (the documents would
+            see each other).
+    """
+    if input_pos is None:
+        raise ValueError("a packed micro-batch needs input_pos with its mask: transformers models find the "
+                         "documents of a row from the positions (restarting at 0 for every document)")
+    batch, seq_len = tokens.shape
+    if seq_len < 2:
+        return
+    by_mask = _separates(mask, batch, seq_len).to(input_pos.device)
+    by_pos = input_pos[:, 1:] - input_pos[:, :-1] != 1
+    unseen = by_mask & ~by_pos  # the mask separates, the positions do not
+    # allowed: the row's last mask boundary, when nothing after it restarts (torchtune's padding)
+    last_boundary = torch.where(by_mask, torch.arange(seq_len - 1, device=by_mask.device), -1).amax(dim=1, keepdim=True)
+    tail_ok = torch.arange(seq_len - 1, device=by_mask.device)[None, :] == last_boundary
+    if bool((unseen & ~tail_ok).any()):
+        row, col = [int(i) for i in (unseen & ~tail_ok).nonzero()[0]]
+        raise ValueError(f"packed micro-batch row {row}: the mask starts a document at position {col + 1} but "
+                         "input_pos does not restart there; transformers models find documents from input_pos, "
+                         "so the documents would attend to each other")
+
+
+# --------------------------------------------------------------------------- the call convention
+class TorchtuneCall:
+    """Mixed into a transformers causal LM's class by :func:`causal_lm` (see the module docstring).
+
+    Attributes set by :func:`adapt`: ``_ext_hf_class`` (the transformers class),
+    ``_ext_head`` (:class:`HeadTransform`), ``_ext_returns_hidden`` (after the
+    hand-over), ``_ext_router`` (router load-balancing settings or None) and
+    ``_ext_router_aux`` (the last forward's router loss).
+    """
+
+    def forward(self, tokens: Optional[torch.Tensor] = None, mask: Any = None,
+                input_pos: Optional[torch.Tensor] = None, **kwargs):
+        """torchtune's call, or transformers' own.
+
+        ``model(tokens, mask=..., input_pos=...)`` (``tokens`` ``[b, s]`` ids,
+        ``input_pos`` ``[b, s]`` positions restarting at 0 per document of a
+        packed row, ``mask`` the collator's block-causal mask, checked
+        against them) returns ``[b, s, vocab]`` logits as the model's own
+        head computes them, or ``[b, s, hidden]`` final normed hidden states
+        after :meth:`hand_over_output_projection`. With any other keyword
+        (``input_ids``, ``labels``, ``attention_mask``...) it is
+        transformers' forward, unchanged.
+        """
+        if tokens is None or kwargs:
+            return super().forward(tokens, **kwargs) if tokens is not None else super().forward(**kwargs)
+        if mask is not None:
+            _check_documents(mask, input_pos, tokens)
+        extra = {"output_router_logits": True} if self._ext_router is not None else {}
+        # No attention_mask: with one, transformers would build a plain causal mask and ignore the
+        # documents of a packed row (transformers PR #46634); without, it finds them from the positions.
+        out = self.base_model(input_ids=tokens, position_ids=input_pos, use_cache=False, **extra)
+        if self._ext_router is not None:
+            self._ext_router_aux = self._ext_router.loss(out.router_logits)
+        hidden = out.last_hidden_state
+        if self._ext_returns_hidden:
+            return hidden
+        return self._ext_head(self.get_output_embeddings()(hidden))
+
+    def hand_over_output_projection(self) -> OutputProjection:
+        """From now on return final hidden states; the loss applies the output projection.
+
+        Returns:
+            :class:`torchtune_ext.loss.OutputProjection`: ``project`` maps
+            ``[rows, hidden]`` to fp32 ``[rows, vocab]`` logits through this
+            model's ``lm_head`` module (so a LoRA adapter on it, tied weights
+            and FSDP's gathering work as in the model) and its head
+            transform; with router load balancing on, ``auxiliary`` holds
+            the router loss of the last forward and its coefficient.
+        """
+        self._ext_returns_hidden = True
+        head, transform = self.get_output_embeddings(), self._ext_head
+        vocab = getattr(head, "out_features", None)
+        vocab = vocab if isinstance(vocab, int) else self.config.get_text_config().vocab_size
+        auxiliary = {}
+        if self._ext_router is not None:
+            auxiliary["router_aux_loss"] = (lambda: self._ext_router_aux, self._ext_router.coef)
+        return OutputProjection(project=lambda rows: transform(head(rows).float()), vocab_size=vocab,
+                                auxiliary=auxiliary)
+
+
+@dataclass(frozen=True)
+class RouterBalance:
+    """The router load-balancing loss of a mixture-of-experts model, as its transformers module computes it.
+
+    ``loss(router_logits)`` is the Switch Transformer auxiliary loss (Fedus
+    et al., 2021, eqs. 4-6) over every position of the micro-batch (padding
+    included: the model gets no padding mask), via the family's own
+    ``load_balancing_loss_func``.
+    """
+
+    function: Callable
+    num_experts: int
+    top_k: int
+    coef: float
+
+    def loss(self, router_logits) -> torch.Tensor:
+        return self.function(router_logits, self.num_experts, self.top_k, None)
+
+
+def _router_balance(model: nn.Module, cls: type, coef: Optional[float]) -> RouterBalance:
+    function = getattr(sys.modules[cls.__module__], "load_balancing_loss_func", None)
+    num_experts = getattr(model, "num_experts", None)
+    top_k = getattr(model, "num_experts_per_tok", None)
+    if function is None or not isinstance(num_experts, int) or not isinstance(top_k, int):
+        raise ConfigError("model.output_router_logits", f"{cls.__name__} has no router load-balancing loss "
+                          "torchtune_ext.hf knows; set model.output_router_logits=false")
+    coef = float(coef if coef is not None else getattr(model, "router_aux_loss_coef", model.config.router_aux_loss_coef))
+    return RouterBalance(function, num_experts, top_k, coef)
+
+
+_ADAPTED: Dict[type, type] = {}
+
+
+def adapt(model: nn.Module, *, output_router_logits: bool = False,
+          router_aux_loss_coef: Optional[float] = None) -> nn.Module:
+    """Give a transformers causal LM torchtune's call convention, in place (see :class:`TorchtuneCall`).
+
+    The instance's class becomes a subclass of its transformers class with
+    the same name (``save_pretrained`` still writes that name into
+    ``architectures``); weights, state dict and every other method are unchanged.
+
+    Raises:
+        ConfigError: (key ``model``) a head :func:`_head_transforms` refuses;
+            (``model.output_router_logits``) router load balancing on a model without it.
+    """
+    cls = getattr(model, "_ext_hf_class", type(model))
+    head = _head_transforms(model, cls)
+    router = _router_balance(model, cls, router_aux_loss_coef) if output_router_logits else None
+    if cls not in _ADAPTED:
+        _ADAPTED[cls] = type(cls.__name__, (TorchtuneCall, cls), {"__module__": cls.__module__,
+                                                                 "__qualname__": cls.__qualname__})
+    model.__class__ = _ADAPTED[cls]
+    model._ext_hf_class = cls
+    model._ext_head = head
+    model._ext_returns_hidden = False
+    model._ext_router = router
+    model._ext_router_aux = None
+    return model
+
+
+def _dtype(dtype: Optional[Union[str, torch.dtype]], config: Any) -> torch.dtype:
+    if dtype is None:
+        return torch.get_default_dtype()  # the recipe's: it builds the model under training.set_default_dtype
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        configured = getattr(config, "dtype", None) or torch.float32
+        return getattr(torch, configured) if isinstance(configured, str) else configured
+    names = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    if dtype in names:
+        return names[dtype]
+    named = getattr(torch, str(dtype), None)
+    if isinstance(named, torch.dtype) and named.is_floating_point:
+        return named
+    raise ConfigError("model.dtype", f"expected auto, fp32, bf16, fp16 or a floating-point torch dtype name, "
+                      f"got {dtype!r}")
+
+
+def causal_lm(path: Union[str, Path], *, attn_implementation: Optional[str] = None, trust_remote_code: bool = False,
+              dtype: Optional[Union[str, torch.dtype]] = None, output_router_logits: bool = False,
+              router_aux_loss_coef: Optional[float] = None) -> nn.Module:
+    """The causal LM of a Hugging Face folder, built by transformers, random weights, torchtune's call convention.
+
+    Built on the current default device: under ``torch.device("meta")``
+    (the distributed recipes, before FSDP2) the parameters stay on meta
+    while the non-persistent buffers (RoPE frequencies, Gemma's embedding
+    scale) are computed on CPU as transformers computes them, so nothing is
+    left to re-initialize after the weights load (:func:`load_state`).
+    Elsewhere (CPU, ``cuda``) the parameters get transformers' random
+    initialization; load the checkpoint's weights afterwards.
+
+    Args:
+        path: the model folder (``config.json``; weights are the checkpointer's job).
+        attn_implementation: None (default): transformers' choice, ``sdpa``
+            where the model supports it, else ``eager``; or ``sdpa``, ``eager``,
+            ``flash_attention_2`` (flash-attn installed, CUDA), ``flex_attention`` (CUDA).
+        trust_remote_code: allow a model whose code ships in the folder.
+        dtype: None: the default dtype (the recipe's ``dtype``); ``auto``: the
+            folder's ``config.json``; or ``fp32`` / ``bf16`` / a torch dtype name.
+        output_router_logits: mixture-of-experts models: add the router
+            load-balancing loss (see docs/models.md); default off.
+        router_aux_loss_coef: its coefficient; None: the model config's.
+
+    Returns:
+        the transformers model (:class:`TorchtuneCall` mixed in), in train mode.
+
+    Raises:
+        ConfigError: see :func:`check_model_folder` and :func:`adapt`.
+    """
+    config = check_model_folder(path, trust_remote_code=trust_remote_code, attn_implementation=attn_implementation)
+    if getattr(config, "use_cache", None):
+        config.use_cache = False  # training: no KV cache
+    kwargs = dict(dtype=_dtype(dtype, config), trust_remote_code=trust_remote_code)
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    if torch.empty(()).device.type == "meta":
+        # Parameters on meta, buffers on CPU (accelerate's init_empty_weights), so that the buffers
+        # hold transformers' values; FSDP2 moves them to the device.
+        with torch.device("cpu"), init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(config, **kwargs)
+        model.tie_weights()  # the context's parameter registration replaced tied parameters by copies
+    else:
+        model = AutoModelForCausalLM.from_config(config, **kwargs)
+    model.train()
+    return adapt(model, output_router_logits=output_router_logits, router_aux_loss_coef=router_aux_loss_coef)
+
+
+def decoder_layer_classes(model: nn.Module) -> Tuple[type, ...]:
+    """The classes of the model's repeated blocks: its modules named in transformers' ``_no_split_modules``.
+
+    Raises:
+        ValueError: the model names none, or none of them is in the model.
+    """
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    found = {type(m) for m in model.modules() if type(m).__name__ in names}
+    if not found:
+        raise ValueError(f"{type(model).__name__}: no module of its _no_split_modules ({sorted(names)}) found")
+    return tuple(sorted(found, key=lambda c: c.__name__))
+
+
+def is_decoder_layer(model: nn.Module) -> Callable[[str, nn.Module], bool]:
+    """A predicate ``(name, module) -> bool`` true for the model's decoder layers (:func:`decoder_layer_classes`).
+
+    A layer wrapped for activation checkpointing counts as the wrapper (it
+    holds the same parameters), not twice.
+    """
+    classes = decoder_layer_classes(model)
+
+    def is_layer(name: str, module: nn.Module) -> bool:
+        inner = getattr(module, "_checkpoint_wrapped_module", None)
+        if inner is not None:
+            return isinstance(inner, classes)
+        return isinstance(module, classes) and not name.endswith("._checkpoint_wrapped_module")
+
+    return is_layer
+
+
+def set_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute each decoder layer's activations in backward (torch's non-reentrant checkpoint wrapper).
+
+    The layers are the model's ``_no_split_modules`` classes; the state
+    dict keys do not change (the wrapper strips its own prefix). Call it
+    before :func:`shard_model`.
+    """
+    training.set_activation_checkpointing(model, auto_wrap_policy=set(decoder_layer_classes(model)))
+
+
+def shard_model(model: nn.Module, device: torch.device, **kwargs):
+    """FSDP2 over the decoder layers (:func:`decoder_layer_classes`), then the root; gradients summed.
+
+    :func:`torchtune_ext.distributed.shard_model` with the model's own
+    decoder layers as the units: the same keyword arguments (``cpu_offload``,
+    ``reshard_after_forward``, ``custom_sharded_layers``) and the same
+    gradient reduction (a sum over ranks: FSDP's averaging off).
+    """
+    return distributed.shard_model(model, device, is_block=is_decoder_layer(model), **kwargs)
+
+
+def load_state(model: nn.Module, state_dict: Dict[str, torch.Tensor], device: Union[str, torch.device], *,
+               strict: bool = True, source: str = "the checkpoint"):
+    """Load a full (unsharded) state dict into a model that is not sharded, built on meta or materialized.
+
+    On meta (:func:`causal_lm` under ``torch.device("meta")``) the tensors
+    are cast to the model's dtypes, moved to ``device`` and assigned (no
+    random initialization ever ran), tied weights are tied again and the
+    buffers (and LoRA adapters initialized on CPU) move to ``device``. A
+    LoRA model's base weights load with ``strict=False`` after
+    :func:`torchtune_ext.hf.lora.model_keys`; the missing keys are then its
+    adapters'. A sharded model loads with
+    :func:`torchtune_ext.distributed.load_full_model_state_dict`.
+
+    Returns:
+        ``(missing_keys, unexpected_keys)`` as ``nn.Module.load_state_dict``.
+
+    Raises:
+        ConfigError: (key ``checkpointer.checkpoint_dir``) a key (strict) or a
+            shape that does not fit the model.
+    """
+    device = torch.device(device)
+    expected = model.state_dict()
+    on_meta = any(p.is_meta for p in model.parameters())
+    converted = {k: v.to(device=device, dtype=expected[k].dtype) for k, v in state_dict.items() if k in expected}
+    unexpected = [k for k in state_dict if k not in expected]
+    try:
+        if strict and unexpected:
+            raise RuntimeError(f"Unexpected key(s) in state_dict: {', '.join(unexpected[:5])}")
+        keys = model.load_state_dict(converted, strict=strict, assign=on_meta)
+    except RuntimeError as err:
+        detail = "; ".join(line.strip() for line in str(err).splitlines()[:4] if line.strip())
+        raise ConfigError("checkpointer.checkpoint_dir", f"the weights in '{source}' do not fit the model "
+                          f"({detail})") from err
+    meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if meta:
+        raise ConfigError("checkpointer.checkpoint_dir", f"'{source}' holds no value for {meta[0]}")
+    if on_meta:
+        model.tie_weights()
+        model.to(device)  # the buffers (computed on CPU) and adapters initialized on CPU
+    return type(keys)(list(keys.missing_keys), list(keys.unexpected_keys) + unexpected)
