@@ -78,7 +78,8 @@ class LoRAFinetuneRecipeDistributed:
         load = partial(distributed.load_full_model_state_dict, model, device=run.device,
                        cpu_offload=cfg.fsdp_cpu_offload, strict=False)
         load_lora_weights(model, cfg.model, base_state, partial(
-            load, source=cfg.checkpointer.checkpoint_dir, model_name=describe_model(cfg)), adapter_state, load)
+            load, source=cfg.checkpointer.checkpoint_dir, model_name=describe_model(cfg)), adapter_state, load,
+                          adapter_source=run.resume_from)
         # Sharding replaced every parameter: collect the adapter's anew.
         self._adapter_params = {name: p for name, p in model.named_parameters() if p.requires_grad}
         training.validate_expected_param_dtype(self._adapter_params.items(), dtype=run.dtype)

@@ -70,7 +70,8 @@ class LoRAFinetuneRecipeSingleDevice:
                          offloading=cfg.enable_activation_offloading)
         load_lora_weights(model, cfg.model, base_state, partial(
             load_model_state, model, source=cfg.checkpointer.checkpoint_dir, strict=False,
-            model_name=describe_model(cfg)), adapter_state, partial(model.load_state_dict, strict=False))
+            model_name=describe_model(cfg)), adapter_state, partial(model.load_state_dict, strict=False),
+                          adapter_source=run.resume_from)
         training.validate_expected_param_dtype(self._adapter_params.items(), dtype=run.dtype)
         if cfg.compile:
             training.compile_model(model)

@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, Iterable, Optional, Type
 
 import torch
 from omegaconf import DictConfig
-from torchtune import config as tt_config, training, utils
+from torchtune import training, utils
 
 from torchtune_ext import config as recipe_config
 from torchtune_ext import distributed as parallel
@@ -44,6 +44,7 @@ from torchtune_ext.evaluate import Validator, build_val_loader
 from torchtune_ext.loss import build_loss
 from torchtune_ext.memory import MemoryGuard
 from torchtune_ext.metrics import StepReporter, build_metric_logger
+from torchtune_ext.models import build_tokenizer
 from torchtune_ext.optim_in_bwd import build_optimizer
 from torchtune_ext.preemption import GracefulStop
 from torchtune_ext.preflight import check_components
@@ -125,7 +126,7 @@ class TrainingRun:
         self.resume_from: Optional[Path] = resume_from
 
         # Data first: a bad dataset fails before anything is loaded or written.
-        self.tokenizer = tt_config.instantiate(cfg.tokenizer)
+        self.tokenizer = build_tokenizer(cfg.tokenizer)
         self.loss_fn = build_loss(cfg.loss, compile=cfg.compile)
         dp = dict(dp_rank=self.rank, dp_world_size=self.world_size)
         self.data = build_step_loader(cfg, self.tokenizer, seed=self.progress.data_seed,
@@ -260,14 +261,18 @@ class TrainingRun:
 def run_recipe(recipe_class: Type, cfg: DictConfig, extra_keys: Optional[Dict[str, recipe_config.Key]] = None) -> int:
     """Validate ``cfg``, then set up, train and clean up one ``recipe_class(cfg)``; returns the exit status.
 
-    What setup creates in ``output_dir`` is removed again if setup fails
-    (:func:`torchtune_ext.config.output_dir_unchanged_on_error`); training's
-    writes never are.
+    If setup fails, what appeared in ``output_dir`` after this run took its
+    lock is removed again (:func:`torchtune_ext.config.output_dir_unchanged_on_error`);
+    a run refused the lock touches nothing, and training's writes are never
+    rolled back. A run that finishes names once more the config keys it
+    ignored (the warning at its start is long out of sight by then).
     """
     cfg = recipe_config.validate(cfg, extra_keys=extra_keys)
     recipe = recipe_class(cfg)
     with recipe_config.output_dir_unchanged_on_error(cfg.output_dir):
         recipe.setup()
     status = recipe.train()
+    if status == 0:  # a stop's line (exit 75) stays the last one
+        recipe_config.remind_ignored_keys(cfg, extra_keys)
     recipe.cleanup()
     return status

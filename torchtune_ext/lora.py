@@ -9,6 +9,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from torch import nn
 from torchtune.modules.peft import validate_missing_and_unexpected_for_lora
 
+from torchtune_ext.checkpoint import check_adapter_fits
 from torchtune_ext.config import ConfigError, lora_settings
 
 # load(state_dict) -> (missing keys, unexpected keys), as nn.Module.load_state_dict(strict=False) returns them
@@ -17,7 +18,7 @@ LoadStateDict = Callable[[Dict[str, Any]], Tuple[List[str], List[str]]]
 
 def load_lora_weights(model: nn.Module, cfg_model: Any, base_state: Dict[str, Any], load_base: LoadStateDict,
                       adapter_state: Optional[Dict[str, Any]] = None,
-                      load_adapter: Optional[LoadStateDict] = None) -> None:
+                      load_adapter: Optional[LoadStateDict] = None, adapter_source: Any = None) -> None:
     """Load the base weights, then (when resuming) the adapter, and check that every key is accounted for.
 
     DoRA magnitudes are initialized between the two, from the norms of the
@@ -29,10 +30,12 @@ def load_lora_weights(model: nn.Module, cfg_model: Any, base_state: Dict[str, An
         cfg_model: the ``model`` config (its LoRA settings say which keys must exist).
         base_state: the base checkpoint's state dict; ``load_base`` loads it non-strictly.
         adapter_state: a resumed adapter, or None; ``load_adapter`` loads it non-strictly.
+        adapter_source: the checkpoint folder it comes from, for messages.
 
     Raises:
         ConfigError: (key ``resume_from_checkpoint``) when the saved adapter
-            does not fit the model (``lora_rank`` changed since the checkpoint).
+            does not fit the model (:func:`torchtune_ext.checkpoint.check_adapter_fits`:
+            the first mismatching tensor and how many differ).
         AssertionError: torchtune's check, when keys are missing or unexpected.
     """
     base_missing, base_unexpected = load_base(base_state)
@@ -41,6 +44,7 @@ def load_lora_weights(model: nn.Module, cfg_model: Any, base_state: Dict[str, An
             module.initialize_dora_magnitude()  # DoRA starts from the norms of the loaded base weights
     adapter_missing = adapter_unexpected = None
     if adapter_state is not None:
+        check_adapter_fits(model.state_dict(), adapter_state, adapter_source)
         try:
             adapter_missing, adapter_unexpected = load_adapter(adapter_state)
         except (RuntimeError, ConfigError) as err:  # shape mismatch: lora_rank changed since the checkpoint
