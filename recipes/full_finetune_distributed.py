@@ -25,6 +25,7 @@ from torchtune_ext import distributed, launch
 from torchtune_ext.checkpoint import expected_checkpoint_bytes
 from torchtune_ext.config import DISTRIBUTED_KEYS
 from torchtune_ext.loop import TrainingRun, run_recipe
+from torchtune_ext.models import build_model, shard_model
 from torchtune_ext.runtime import wrap_activations
 from torchtune_ext.upstream import describe_model
 
@@ -52,15 +53,13 @@ class FullFinetuneRecipeDistributed:
         cfg, run = self.cfg, self.run
         # Built on the meta device: no rank materializes the full model; each
         # receives only its shard when the weights are loaded.
-        with training.set_default_dtype(run.dtype), torch.device("meta"):
-            model = config.instantiate(cfg.model)
+        model = build_model(cfg.model, run.dtype, torch.device("meta"))
         wrap_activations(model, checkpointing=cfg.enable_activation_checkpointing,
                          offloading=cfg.enable_activation_offloading)
         if cfg.compile:
             training.compile_model(model)
-        distributed.shard_model(model, run.device, cpu_offload=cfg.fsdp_cpu_offload,
-                                reshard_after_forward=cfg.fsdp_reshard_after_forward,
-                                custom_sharded_layers=cfg.custom_sharded_layers)
+        shard_model(model, run.device, cpu_offload=cfg.fsdp_cpu_offload,
+                    reshard_after_forward=cfg.fsdp_reshard_after_forward, custom_sharded_layers=cfg.custom_sharded_layers)
         distributed.load_full_model_state_dict(model, state_dict, run.device, cpu_offload=cfg.fsdp_cpu_offload,
                                                source=source or cfg.checkpointer.checkpoint_dir,
                                                model_name=describe_model(cfg))

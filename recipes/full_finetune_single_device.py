@@ -20,8 +20,9 @@ from omegaconf import DictConfig
 from torchtune import config, training
 
 from torchtune_ext import launch
-from torchtune_ext.checkpoint import expected_checkpoint_bytes, load_model_state
+from torchtune_ext.checkpoint import expected_checkpoint_bytes
 from torchtune_ext.loop import TrainingRun, run_recipe
+from torchtune_ext.models import build_model, load_model_state
 from torchtune_ext.runtime import embedding_rows_into_grad, wrap_activations
 from torchtune_ext.upstream import describe_model
 
@@ -46,11 +47,11 @@ class FullFinetuneRecipeSingleDevice:
 
     def _setup_model(self, state_dict: Dict[str, Any], source: Optional[Path]) -> torch.nn.Module:
         cfg, run = self.cfg, self.run
-        with training.set_default_dtype(run.dtype), run.device:
-            model = config.instantiate(cfg.model)
+        model = build_model(cfg.model, run.dtype, run.device)
         wrap_activations(model, checkpointing=cfg.enable_activation_checkpointing,
                          offloading=cfg.enable_activation_offloading)
-        load_model_state(model, state_dict, source or cfg.checkpointer.checkpoint_dir, model_name=describe_model(cfg))
+        load_model_state(model, state_dict, run.device, source or cfg.checkpointer.checkpoint_dir,
+                         model_name=describe_model(cfg))
         training.validate_expected_param_dtype(model.named_parameters(), dtype=run.dtype)
         # Same gradients; on CPU the tied embedding adds its rows to .grad instead of a vocabulary-sized tensor.
         embedding_rows_into_grad(model, run.device, compiled=cfg.compile)

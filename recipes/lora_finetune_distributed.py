@@ -27,14 +27,14 @@ from typing import Any, Dict, Optional
 import torch
 from omegaconf import DictConfig
 from torchtune import config, training
-from torchtune.modules.peft import get_adapter_params, set_trainable_params
+from torchtune.modules.peft import set_trainable_params
 
 from torchtune_ext import distributed, launch
-from torchtune_ext.checkpoint import expected_checkpoint_bytes, lora_checkpoint_state
+from torchtune_ext.checkpoint import expected_checkpoint_bytes
 from torchtune_ext.config import DISTRIBUTED_KEYS, LORA_KEYS
-from torchtune_ext.lora import load_lora_weights
+from torchtune_ext.lora import load_lora_weights, lora_checkpoint_state
 from torchtune_ext.loop import TrainingRun, run_recipe
-from torchtune_ext.models import initialize_adapters, instantiate_lora_model
+from torchtune_ext.models import adapter_params, build_model, initialize_adapters, shard_model
 from torchtune_ext.runtime import wrap_activations
 from torchtune_ext.upstream import describe_model
 
@@ -64,17 +64,16 @@ class LoRAFinetuneRecipeDistributed:
         cfg, run = self.cfg, self.run
         # Built on the meta device: no rank materializes the full model; each
         # receives only its shard when the weights are loaded.
-        model = instantiate_lora_model(cfg.model, run.dtype, torch.device("meta"))
+        model = build_model(cfg.model, run.dtype, torch.device("meta"))
         # The adapters are small: in full on CPU, from the run's seed, as in every recipe and world size.
         initialize_adapters(model, run.progress.seed)
-        set_trainable_params(model, get_adapter_params(model))
+        set_trainable_params(model, adapter_params(model))
         wrap_activations(model, checkpointing=cfg.enable_activation_checkpointing,
                          offloading=cfg.enable_activation_offloading)
         if cfg.compile:
             training.compile_model(model)
-        distributed.shard_model(model, run.device, cpu_offload=cfg.fsdp_cpu_offload,
-                                reshard_after_forward=cfg.fsdp_reshard_after_forward,
-                                custom_sharded_layers=cfg.custom_sharded_layers)
+        shard_model(model, run.device, cpu_offload=cfg.fsdp_cpu_offload,
+                    reshard_after_forward=cfg.fsdp_reshard_after_forward, custom_sharded_layers=cfg.custom_sharded_layers)
         load = partial(distributed.load_full_model_state_dict, model, device=run.device,
                        cpu_offload=cfg.fsdp_cpu_offload, strict=False)
         load_lora_weights(model, cfg.model, base_state, partial(
@@ -92,7 +91,7 @@ class LoRAFinetuneRecipeDistributed:
 
     def save_checkpoint(self) -> Path:
         adapter_only = self.cfg.save_adapter_weights_only
-        state = lora_checkpoint_state(self.run.full_model_state(), self.cfg.model, adapter_only)
+        state = lora_checkpoint_state(self.model, self.run.full_model_state(), self.cfg.model, adapter_only)
         return self.run.save(state, adapter_only=adapter_only)
 
     def cleanup(self) -> None:

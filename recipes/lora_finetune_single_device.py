@@ -25,14 +25,14 @@ from typing import Any, Dict, Optional
 import torch
 from omegaconf import DictConfig
 from torchtune import config, training
-from torchtune.modules.peft import get_adapter_params, set_trainable_params
+from torchtune.modules.peft import set_trainable_params
 
 from torchtune_ext import launch
-from torchtune_ext.checkpoint import expected_checkpoint_bytes, load_model_state, lora_checkpoint_state
+from torchtune_ext.checkpoint import expected_checkpoint_bytes
 from torchtune_ext.config import LORA_KEYS
-from torchtune_ext.lora import load_lora_weights
+from torchtune_ext.lora import load_lora_weights, lora_checkpoint_state
 from torchtune_ext.loop import TrainingRun, run_recipe
-from torchtune_ext.models import initialize_adapters, instantiate_lora_model
+from torchtune_ext.models import adapter_params, build_model, initialize_adapters, load_model_state
 from torchtune_ext.runtime import use_low_cpu_ram, wrap_activations
 from torchtune_ext.upstream import describe_model
 
@@ -61,15 +61,15 @@ class LoRAFinetuneRecipeSingleDevice:
     def _setup_model(self, base_state: Dict[str, Any], adapter_state: Optional[Dict[str, Any]]) -> torch.nn.Module:
         cfg, run = self.cfg, self.run
         use_low_cpu_ram(cfg.low_cpu_ram)  # before building: QLoRA builders pick their state-dict hook
-        model = instantiate_lora_model(cfg.model, run.dtype, run.device)
+        model = build_model(cfg.model, run.dtype, run.device)
         initialize_adapters(model, run.progress.seed)  # the same adapter as the distributed recipe, on any device
         # Before wrapping for activation checkpointing, which renames the parameters.
-        self._adapter_params = get_adapter_params(model)
+        self._adapter_params = adapter_params(model)
         set_trainable_params(model, self._adapter_params)
         wrap_activations(model, checkpointing=cfg.enable_activation_checkpointing,
                          offloading=cfg.enable_activation_offloading)
         load_lora_weights(model, cfg.model, base_state, partial(
-            load_model_state, model, source=cfg.checkpointer.checkpoint_dir, strict=False,
+            load_model_state, model, device=run.device, source=cfg.checkpointer.checkpoint_dir, strict=False,
             model_name=describe_model(cfg)), adapter_state, partial(model.load_state_dict, strict=False),
                           adapter_source=run.resume_from)
         training.validate_expected_param_dtype(self._adapter_params.items(), dtype=run.dtype)
@@ -84,7 +84,7 @@ class LoRAFinetuneRecipeSingleDevice:
 
     def save_checkpoint(self) -> Path:
         adapter_only = self.cfg.save_adapter_weights_only
-        state = lora_checkpoint_state(self.model.state_dict(), self.cfg.model, adapter_only)
+        state = lora_checkpoint_state(self.model, self.model.state_dict(), self.cfg.model, adapter_only)
         return self.run.save(state, adapter_only=adapter_only)
 
     def cleanup(self) -> None:

@@ -1055,6 +1055,20 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def check_model_fits(model: torch.nn.Module, state_dict: Dict[str, Any], source: Any, model_name: str) -> None:
+    """Compare a checkpoint's keys and shapes with the model's before loading it (adapters it lacks excepted).
+
+    Raises:
+        ConfigError: (key ``checkpointer.checkpoint_dir``) naming the model and
+            the first mismatching key (:func:`torchtune_ext.upstream.first_mismatch`).
+    """
+    mismatch = first_mismatch(model.state_dict(), state_dict)
+    if mismatch:
+        raise ConfigError("checkpointer.checkpoint_dir", f"the checkpoint in '{source}' does not fit the model "
+                          f"{model_name}: {mismatch}. Check that `model` and checkpointer.model_type match the "
+                          "checkpoint's architecture.")
+
+
 def load_model_state(model: torch.nn.Module, state_dict: Dict[str, Any], source: str, strict: bool = True,
                      model_name: Optional[str] = None):
     """``model.load_state_dict`` with a config error, not a traceback, on a misfit.
@@ -1074,11 +1088,8 @@ def load_model_state(model: torch.nn.Module, state_dict: Dict[str, Any], source:
         ConfigError: (key ``checkpointer.checkpoint_dir``) if a shape or a key
             of the checkpoint does not fit the model.
     """
-    mismatch = first_mismatch(model.state_dict(), state_dict) if model_name else None
-    if mismatch:
-        raise ConfigError("checkpointer.checkpoint_dir", f"the checkpoint in '{source}' does not fit the model "
-                          f"{model_name}: {mismatch}. Check that `model` and checkpointer.model_type match the "
-                          "checkpoint's architecture.")
+    if model_name:
+        check_model_fits(model, state_dict, source, model_name)
     try:
         return model.load_state_dict(state_dict, strict=strict)
     except RuntimeError as err:

@@ -103,6 +103,11 @@ def _string(key: str, value: Any) -> None:
         raise ConfigError(key, f"expected a non-empty string, got {value!r}")
 
 
+def _optional_string(key: str, value: Any) -> None:
+    if value is not None:
+        _string(key, value)
+
+
 def _one_of(*choices: str) -> Callable[[str, Any], None]:
     def check(key: str, value: Any) -> None:
         if value not in choices:
@@ -256,6 +261,9 @@ _INSTALL_HINTS = {
 # passed to ``validate`` as ``extra_keys``.
 COMMON_KEYS: Dict[str, Key] = {
     "output_dir": Key(_NO_DEFAULT, _string, required=True),
+    # A Hugging Face model folder: configs/hf/*.yaml interpolate it into model.path, tokenizer.path
+    # and checkpointer.checkpoint_dir, so that it is the one key to set (torchtune_ext.hf).
+    "model_dir": Key(None, _optional_string),
     "model": Key(_NO_DEFAULT, _text_model, required=True),
     "tokenizer": Key(_NO_DEFAULT, _component, required=True),
     "dataset": Key(_NO_DEFAULT, _dataset, required=True),
@@ -766,6 +774,9 @@ def _listdir(path: str):
                           f"read access to it (e.g. chmod u+rwx '{path}') or choose another output_dir") from None
 
 
+_MISSING_HINTS = {"model_dir": ": the folder of a Hugging Face model as `huggingface-cli download` leaves it "
+                               "(config.json, *.safetensors, tokenizer files), e.g. model_dir=/models/Qwen3-0.6B"}
+
 # Keys a training config must have that evaluating a checkpoint does not read.
 _TRAINING_ONLY = ("output_dir", "optimizer")
 
@@ -793,6 +804,9 @@ def validate(cfg: DictConfig, extra_keys: Optional[Dict[str, Key]] = None,
     schema = {**COMMON_KEYS, **(extra_keys or {})}
     _check_command_line_keys(schema)
     cfg = cfg.copy()
+    for key in cfg:  # `???`: a value the config leaves to the command line (configs/hf: model_dir)
+        if OmegaConf.is_missing(cfg, key):
+            raise ConfigError(key, f"is required: give it on the command line ({key}=...){_MISSING_HINTS.get(key, '')}")
     for key in list(cfg.keys()):
         if key not in schema:
             log.warning("Unknown config key '%s' is ignored.%s", key, _closest(key, schema))

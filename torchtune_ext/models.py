@@ -21,6 +21,7 @@ from torchtune.models.llama3_2._component_builders import llama3_2, lora_llama3_
 from torchtune.modules import TransformerDecoder
 from torchtune.modules.peft import LORA_ATTN_MODULES
 
+from torchtune_ext import checkpoint, distributed
 from torchtune_ext.config import ConfigError, UserError, lora_settings
 
 # Plain RoPE; see the module docstring.
@@ -108,8 +109,8 @@ def lora_smollm2_135m(
     )
 
 
-def initialize_adapters(model: nn.Module, seed: int) -> None:
-    """Initialize every LoRA/DoRA adapter of ``model`` from ``seed`` alone, on CPU.
+def initialize_torchtune_adapters(model: nn.Module, seed: int) -> None:
+    """Initialize every LoRA/DoRA adapter of a torchtune ``model`` from ``seed`` alone, on CPU.
 
     torchtune's builders initialize adapters from the global random stream,
     after the base weights drew from it, on the device the model is built on.
@@ -266,8 +267,35 @@ def nf4_error(err: BaseException):
                        "(LoRA) for this model")
 
 
-def instantiate_lora_model(cfg_model, dtype, device) -> TransformerDecoder:
-    """Build a LoRA ``model`` config with ``dtype`` as default dtype on ``device``.
+# ``model`` components under this package are transformers models (torchtune_ext.hf); the rest torchtune's.
+HF_COMPONENTS = "torchtune_ext.hf."
+
+
+def is_hf_config(cfg_model: Any) -> bool:
+    """Whether a ``model`` config builds a transformers model (``torchtune_ext.hf.causal_lm`` / ``lora_causal_lm``)."""
+    return str(cfg_model.get("_component_", "")).startswith(HF_COMPONENTS)
+
+
+def is_hf_model(model: nn.Module) -> bool:
+    """Whether ``model`` was built by :func:`torchtune_ext.hf.causal_lm` (a transformers model, our call convention)."""
+    return getattr(model, "_ext_hf_class", None) is not None
+
+
+def _hf():
+    # transformers and PEFT take 1.6 s to import: only runs of transformers models pay for it
+    from torchtune_ext import hf
+
+    return hf
+
+
+def build_model(cfg_model: Any, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """Build the ``model`` config with ``dtype`` as default dtype, on ``device``, ready for its weights.
+
+    torchtune's models are built on ``device`` (random values until
+    :func:`torchtune_ext.checkpoint.load_model_state`). transformers models
+    are always built on the meta device: their weights, buffers and
+    adapters reach ``device`` when loaded, with no random initialization
+    drawn on the way (:func:`torchtune_ext.hf.load_state`).
 
     Raises:
         ConfigError: (key ``model.quantize_base``) if QLoRA cannot quantize a
@@ -275,15 +303,90 @@ def instantiate_lora_model(cfg_model, dtype, device) -> TransformerDecoder:
             weight to hold a multiple of 64 * 256 = 16,384 values (SmolLM2's
             576 x 576 attention projections hold 331,776 = 20.25 x 16,384).
     """
-    from torchtune import config, training
+    from torchtune import training
 
+    if is_hf_config(cfg_model):
+        device = torch.device("meta")
     with training.set_default_dtype(dtype), device:
         try:
-            return config.instantiate(cfg_model)
+            return tt_config.instantiate(cfg_model)
         except AssertionError as err:
             if quantizes_base(cfg_model):
                 raise nf4_error(err) from None
             raise
+
+
+def instantiate_lora_model(cfg_model, dtype, device) -> nn.Module:
+    """:func:`build_model` for a LoRA ``model`` config (kept for its callers)."""
+    return build_model(cfg_model, dtype, device)
+
+
+def decoder_layer_classes(model: nn.Module) -> tuple:
+    """The classes of the model's repeated decoder layers, the units of activation checkpointing and FSDP2.
+
+    torchtune's ``TransformerSelfAttentionLayer``; for a transformers model
+    the classes its ``_no_split_modules`` names (:func:`torchtune_ext.hf.decoder_layer_classes`).
+    """
+    if is_hf_model(model):
+        return _hf().decoder_layer_classes(model)
+    from torchtune.modules import TransformerSelfAttentionLayer
+
+    return (TransformerSelfAttentionLayer,)
+
+
+def initialize_adapters(model: nn.Module, seed: int) -> None:
+    """Initialize every LoRA/DoRA adapter of ``model`` from ``seed`` alone, on CPU.
+
+    torchtune's models: :func:`initialize_torchtune_adapters`; transformers
+    models (PEFT's adapters): :func:`torchtune_ext.hf.initialize_adapters`.
+    Either way every recipe, device and world size starts from the same adapter.
+    """
+    if is_hf_model(model):
+        _hf().initialize_adapters(model, seed)
+    else:
+        initialize_torchtune_adapters(model, seed)
+
+
+def shard_model(model: nn.Module, device: torch.device, **kwargs) -> list:
+    """FSDP2 over the model's decoder layers, then the root, gradients summed over ranks.
+
+    :func:`torchtune_ext.distributed.shard_model` (torchtune's ``layers.<i>``)
+    or :func:`torchtune_ext.hf.shard_model` (the ``_no_split_modules`` layers);
+    the keyword arguments are theirs.
+    """
+    if is_hf_model(model):
+        return _hf().shard_model(model, device, **kwargs)
+    return distributed.shard_model(model, device, **kwargs)
+
+
+def load_model_state(model: nn.Module, state_dict: dict, device: torch.device, source: Any, *,
+                     strict: bool = True, model_name: Any = None):
+    """Load a full state dict into an unsharded model; a misfit is one config line naming the checkpoint.
+
+    torchtune's models: :func:`torchtune_ext.checkpoint.load_model_state` (the
+    model is on ``device`` already); transformers models, built on meta:
+    :func:`torchtune_ext.hf.load_state`, which moves them to ``device``.
+
+    Returns:
+        ``(missing_keys, unexpected_keys)``.
+
+    Raises:
+        ConfigError: (key ``checkpointer.checkpoint_dir``) a key or shape that does not fit.
+    """
+    if is_hf_model(model):
+        if model_name:
+            checkpoint.check_model_fits(model, state_dict, source, model_name)
+        return _hf().load_state(model, state_dict, device, strict=strict, source=str(source))
+    return checkpoint.load_model_state(model, state_dict, source, strict=strict, model_name=model_name)
+
+
+def adapter_params(model: nn.Module) -> dict:
+    """The adapter parameters by name (LoRA A/B, DoRA magnitudes): what a LoRA recipe trains."""
+    if is_hf_model(model):
+        return _hf().adapter_params(model)
+    from torchtune.modules.peft import get_adapter_params
+
+    return get_adapter_params(model)
 
 
 # The keys of torchtune's tokenizer builders that name files: llama3/gemma/mistral/phi `path`, qwen

@@ -36,7 +36,7 @@ import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from torchtune import config as tt_config
 
-from torchtune_ext.config import PROFILER_COMPONENT, ConfigError, check_output_dir, enabled
+from torchtune_ext.config import PROFILER_COMPONENT, ConfigError, UserError, check_output_dir, enabled
 from torchtune_ext.loss import SummedCrossEntropyLoss, build_loss
 from torchtune_ext.tokenizer import check_tokenizer
 
@@ -200,6 +200,8 @@ def _check_model(cfg_model: DictConfig, packed_row_tokens: Optional[int] = None)
     try:
         with torch.device("meta"):
             model = tt_config.instantiate(cfg_model)
+    except UserError:
+        raise  # the builder's own line names its key (torchtune_ext.hf: model.path, model.attn_implementation)
     except Exception as err:
         from torchtune_ext.models import nf4_error, quantizes_base
 

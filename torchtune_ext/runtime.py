@@ -29,19 +29,24 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from torchtune_ext.models import decoder_layer_classes
+
 
 def wrap_activations(model: nn.Module, *, checkpointing: bool, offloading: bool) -> None:
     """Activation checkpointing per decoder layer, then offloading, as the config keys ask.
 
-    ``enable_activation_checkpointing``: each ``TransformerSelfAttentionLayer``
-    recomputes its forward in backward instead of keeping its activations
-    (torchtune's ``set_activation_checkpointing``); ``enable_activation_offloading``:
-    :func:`offload_activations`. Call before FSDP sharding and compiling.
+    ``enable_activation_checkpointing``: each decoder layer
+    (:func:`torchtune_ext.models.decoder_layer_classes`: torchtune's
+    ``TransformerSelfAttentionLayer``, or a transformers model's
+    ``_no_split_modules``) recomputes its forward in backward instead of
+    keeping its activations (torchtune's ``set_activation_checkpointing``);
+    ``enable_activation_offloading``: :func:`offload_activations`. Call
+    before FSDP sharding and compiling.
     """
     if checkpointing:
-        from torchtune import modules, training
+        from torchtune import training
 
-        training.set_activation_checkpointing(model, auto_wrap_policy={modules.TransformerSelfAttentionLayer})
+        training.set_activation_checkpointing(model, auto_wrap_policy=set(decoder_layer_classes(model)))
     offload_activations(model, offloading)
 
 

@@ -200,8 +200,9 @@ def describe_model(cfg) -> str:
     return f"{component} ({details})" if details else component
 
 
-# Parts of the state-dict keys of LoRA and DoRA adapter tensors in torchtune's models.
-ADAPTER_KEYS = ("lora_a", "lora_b", "magnitude")
+# Parts of the state-dict keys of LoRA and DoRA adapter tensors: torchtune's models (lora_a, lora_b,
+# magnitude) and PEFT's on transformers models (lora_A, lora_B, lora_magnitude_vector).
+ADAPTER_KEYS = ("lora_a", "lora_b", "magnitude", "lora_A", "lora_B")
 
 
 def first_mismatch(model_state, checkpoint_state) -> Optional[str]:
