@@ -535,8 +535,25 @@ def check_input_files(cfg: DictConfig, dataset_keys: Optional[Tuple[str, ...]] =
         for i, ds in enumerate(datasets):
             prefix = key if len(datasets) == 1 else f"{key}[{i}]"
             for path in _paths(ds.get("data_files")):
-                if "://" not in path and not os.path.exists(path):
-                    raise _missing_input(f"{prefix}.data_files", path)
+                if "://" not in path:
+                    _check_data_file(f"{prefix}.data_files", path)
+
+
+def _check_data_file(key: str, path: str) -> None:
+    """A local data file exists, can be read and is not empty (the datasets library
+    reports an empty file as a bare StopIteration)."""
+    if not os.path.exists(path):
+        raise _missing_input(key, path)
+    if not os.path.isfile(path):
+        return  # a folder: the datasets library lists and reads its files
+    try:
+        with open(path, "rb"):
+            pass
+    except PermissionError:
+        raise ConfigError(key, f"'{path}' cannot be read (permission denied); make it readable (chmod a+r) or "
+                          f"point {key} at a copy") from None
+    if os.path.getsize(path) == 0:
+        raise ConfigError(key, f"'{path}' is empty (0 bytes); point {key} at the file with the records")
 
 
 def check_output_dir(path: str, key: str = "output_dir") -> None:
