@@ -136,3 +136,17 @@ def test_a_dataset_with_no_trainable_token_at_all_stops_before_training(tiny_run
     with pytest.raises(ConfigError, match=r"'dataset'.*no trainable token in any of its 24 documents.*"
                                           r"every optimizer step would be skipped"):
         build_step_loader(cfg, tt_config.instantiate(cfg.tokenizer), seed=0, ignore_index=-100)
+
+
+def test_the_recipe_stops_with_one_line_and_writes_nothing(tiny_run):
+    """The issue's case end to end: packs of 8 tokens skipped every step and exited 0 after training."""
+    from helpers import run_tune
+
+    config = tiny_run(**{"dataset.packed": True, "tokenizer.max_seq_len": 8})
+    out = config.parent / "out"
+    proc = run_tune("recipes/full_finetune_single_device.py", "--config", str(config), timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        "error: config key 'dataset': no trainable token in any of its 24 documents")
+    assert not out.exists()

@@ -14,14 +14,18 @@ Order of work, the same in both backward modes:
    (:mod:`torchtune_ext.health`: non-finite values, a zero gradient, loss
    spikes), optimizer step, a check that the parameters are still finite.
 
-``backward_once_per_step=True`` keeps the graphs of all micro-batches and
-calls backward once on the accumulated sum (the loss recomputes its output
-projection in backward, so no graph keeps vocabulary-wide logits; a
-:class:`torchtune_ext.memory.MemoryGuard` switches a step that would not fit
-to the other mode); ``False`` calls backward after each micro-batch
-(activation memory independent of the number of micro-batches) and, under
-FSDP2, syncs gradients only on the last one. Both produce the same gradients
-up to floating-point summation order.
+``backward`` (the config key of the same name) says how the micro-batches
+are backpropagated; all three give the same gradients up to floating-point
+summation order:
+
+* ``"once_per_step"`` keeps the graphs of all micro-batches and calls
+  backward once on the accumulated sum (the loss recomputes its output
+  projection in backward, so no graph keeps vocabulary-wide logits);
+* ``"per_micro_batch"`` calls backward after each micro-batch (activation
+  memory independent of the number of micro-batches) and, under FSDP2, syncs
+  gradients only on the last one;
+* ``"auto"`` lets a :class:`torchtune_ext.memory.MemoryGuard` choose per step:
+  once per step where it fits its limit, else per micro-batch.
 
 Data parallelism: each rank's loss is its *local* sum divided by the
 *global* token count, so the gradient of the step loss is the SUM of the
@@ -40,6 +44,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from torchtune_ext.accounting import TokenTally, TokenTotals, dp_is_active
+from torchtune_ext.config import BACKWARD_MODES, enabled
 from torchtune_ext.health import NonFiniteError, StepHealth, TrainingHealthError  # noqa: F401 (re-exported)
 from torchtune_ext.loss import SummedCrossEntropyLoss, TokenSums, shift_labels
 from torchtune_ext.memory import MemoryGuard, MicroBatchShape, shapes_of
@@ -90,8 +95,6 @@ def build_lr_scheduler(cfg_lr_scheduler: Any, optimizer: torch.optim.Optimizer, 
     on the command line).
     """
     from torchtune import config as tt_config
-
-    from torchtune_ext.config import enabled
 
     if enabled(cfg_lr_scheduler) is None:
         return None
@@ -183,32 +186,57 @@ def _largest_over_ranks(values: Sequence[int], device: torch.device, dp_group) -
     return [int(v) for v in largest.tolist()]
 
 
+def backward_mode(backward: Optional[str] = None, backward_once_per_step: Optional[bool] = None) -> str:
+    """The backward mode from the ``backward`` argument, or else from the older boolean.
+
+    ``backward_once_per_step`` True reads as ``"auto"`` (without a memory guard
+    that is once per step), False as ``"per_micro_batch"``; neither given:
+    ``"auto"``.
+
+    Raises:
+        ValueError: ``backward`` is not one of :data:`torchtune_ext.config.BACKWARD_MODES`.
+    """
+    if backward is None:
+        return "per_micro_batch" if backward_once_per_step is False else "auto"
+    if backward not in BACKWARD_MODES:
+        raise ValueError(f"backward must be one of {', '.join(BACKWARD_MODES)}, got {backward!r}")
+    return backward
+
+
 def forward_backward(
     model: nn.Module,
     loss_fn: SummedCrossEntropyLoss,
     micro_batches: Sequence[MicroBatch],
     *,
     device: torch.device,
-    backward_once_per_step: bool = True,
+    backward: Optional[str] = None,
     dp_group=None,
     memory_guard: Optional[MemoryGuard] = None,
     baseline: Optional[Sequence[MicroBatchShape]] = None,
     step: int = 0,
+    backward_once_per_step: Optional[bool] = None,
 ) -> TokenTotals:
     """Accumulate the normalized gradient of one optimizer step.
 
-    With ``backward_once_per_step`` and more than one micro-batch, the step
-    keeps every micro-batch's graph until one backward; the loss then
-    recomputes its output projection in backward so that what each graph
-    keeps is O(tokens x hidden), not O(tokens x vocab). If ``memory_guard``
-    estimates that even so the step would not fit in the memory available,
-    the step runs backward per micro-batch instead (same gradients; the
-    decision is the same on every rank; one log line when the mode changes).
-    In a single process, an out-of-memory error (``torch.OutOfMemoryError``,
-    raised by CUDA) during the once-per-step attempt is caught: gradients are
-    dropped, the RNG state is restored, and the step is redone per
-    micro-batch (logged). With several ranks it is not caught: the other
-    ranks would be waiting in a collective.
+    Once per step (``backward`` ``"once_per_step"``, or ``"auto"`` where the
+    guard allows it) with more than one micro-batch, the step keeps every
+    micro-batch's graph until one backward; the loss then recomputes its
+    output projection in backward so that what each graph keeps is
+    O(tokens x hidden), not O(tokens x vocab).
+
+    ``"auto"``: if ``memory_guard`` estimates that the step needs more than
+    its limit (torchtune's recipe's need for the same samples, or the free
+    memory), the step runs backward per micro-batch instead (same gradients;
+    the decision is the same on every rank; logged at DEBUG only, as it is
+    the mode's own). In a single process, an out-of-memory error
+    (``torch.OutOfMemoryError``, raised by CUDA) during the once-per-step
+    attempt is caught: gradients are dropped, the RNG state is restored, and
+    the step is redone per micro-batch (a warning). With several ranks it is
+    not caught: the other ranks would be waiting in a collective.
+
+    ``"once_per_step"``: always, and neither limit applies; if the guard
+    estimates that the device lacks the memory, one warning says so, once per
+    run (from each rank short of it). An out-of-memory error is not caught.
 
     Args:
         model: torchtune ``TransformerDecoder`` (possibly LoRA, FSDP2-sharded);
@@ -217,21 +245,28 @@ def forward_backward(
         micro_batches: dicts from a collator (see :func:`prepare_micro_batch`).
             Not modified.
         device: where the model lives.
-        backward_once_per_step: one backward on the accumulated sum (True) or
-            one backward per micro-batch (False).
+        backward: ``"auto"`` (default), ``"once_per_step"`` or ``"per_micro_batch"``
+            (see above and the module docstring).
         dp_group: data-parallel process group (None: default group, or none).
-        memory_guard: decides whether once per step fits (None: always try).
+        memory_guard: decides whether once per step fits under ``"auto"``, and
+            warns under ``"once_per_step"`` (None: auto always tries once per step).
         baseline: this rank's micro-batches as torchtune's recipe would run
             the step (:attr:`torchtune_ext.data.StepData.baseline`), for the
             guard's default limit; None: the device's memory alone decides.
         step (int): optimizer step number, for log lines.
+        backward_once_per_step (bool, optional): the older argument, used when
+            ``backward`` is None (:func:`backward_mode`).
 
     Returns:
         TokenTotals: the step's global and local trainable token counts and
         the global sums of the loss (nats) and the loss's metrics. If
         ``num_tokens`` is 0 no forward or backward ran (on any rank: the count
         is global) and every sum is 0.
+
+    Raises:
+        ValueError: an unknown ``backward``.
     """
+    mode = backward_mode(backward, backward_once_per_step)
     tally = TokenTally(loss_fn.metric_names, device, loss_fn.ignore_index)
     prepared, counts = [], []
     for micro_batch in micro_batches:
@@ -242,19 +277,22 @@ def forward_backward(
     if num_tokens == 0:
         return TokenTotals(0, 0, dict.fromkeys(tally.names, 0.0))
 
-    # One micro-batch: its graph waits for no other, both modes are the same.
-    once = backward_once_per_step and len(prepared) > 1
+    # One micro-batch: its graph waits for no other, all modes are the same.
+    once = mode != "per_micro_batch" and len(prepared) > 1
     defer_sync = True  # the user's per-micro-batch mode defers FSDP2's sync (README: Two backward modes)
-    if once and memory_guard is not None:
+    if once and memory_guard is not None and (mode == "auto" or not memory_guard.warned_once_per_step):
         shapes = shapes_of(prepared, counts)
         # every rank decides on the same figures: the largest rank's needs bound the step
         needs = _largest_over_ranks(memory_guard.step_needs(shapes, baseline), device, dp_group)
-        once, defer_sync = memory_guard.decide_step(needs)
-        memory_guard.report(once, shapes, step)
+        if mode == "auto":
+            once, defer_sync = memory_guard.decide_step(needs)
+            memory_guard.report(once, shapes, step)
+        else:
+            memory_guard.warn_once_per_step(needs, shapes, step)
     if not once:
         _backward_per_micro_batch(model, loss_fn, prepared, tally, num_tokens, defer_sync=defer_sync)
         return _with_mode(tally.totals(dp_group), len(prepared) == 1)
-    if dp_is_active(dp_group):
+    if dp_is_active(dp_group) or mode == "once_per_step":  # asked for: an out-of-memory error stands
         _backward_once(model, loss_fn, prepared, tally, num_tokens)
         return _with_mode(tally.totals(dp_group), True)
 
@@ -370,13 +408,14 @@ def train_step(
     micro_batches: Sequence[MicroBatch],
     *,
     device: torch.device,
-    backward_once_per_step: bool = True,
+    backward: Optional[str] = None,
     clip_grad_norm: Optional[float] = None,
     health: Optional[StepHealth] = None,
     step: int = 0,
     dp_group=None,
     memory_guard: Optional[MemoryGuard] = None,
     baseline: Optional[Sequence[MicroBatchShape]] = None,
+    backward_once_per_step: Optional[bool] = None,
 ) -> StepResult:
     """Run one optimizer step over ``micro_batches`` (see the module docstring).
 
@@ -386,10 +425,12 @@ def train_step(
 
     With an :class:`~torchtune_ext.optim_in_bwd.OptimizerInBackward` the
     parameters are updated by its hooks during the step's single backward
-    (``backward_once_per_step`` is implied), ``grad_norm`` is what the hooks
+    (``backward="once_per_step"`` is implied), ``grad_norm`` is what the hooks
     summed, and ``clip_grad_norm`` must be None.
 
     Args:
+        backward (str, optional): ``"auto"`` (default), ``"once_per_step"`` or
+            ``"per_micro_batch"``: see :func:`forward_backward`.
         step (int): 1-based optimizer step number, for messages.
         clip_grad_norm (float, optional): max total gradient norm; None: no clipping.
         health (StepHealth, optional): the run's health checks
@@ -399,6 +440,8 @@ def train_step(
         memory_guard (MemoryGuard, optional): falls back to a backward per
             micro-batch when once per step would not fit (see :func:`forward_backward`).
         baseline: see :func:`forward_backward`.
+        backward_once_per_step (bool, optional): the older argument, used when
+            ``backward`` is None (:func:`backward_mode`).
         Other arguments as in :func:`forward_backward`.
 
     Returns:
@@ -417,11 +460,12 @@ def train_step(
         if clip_grad_norm is not None:
             raise ValueError("clip_grad_norm cannot be used with an optimizer in backward")
         optimizer.start_step()
+    mode = backward_mode(backward, backward_once_per_step)
     totals = forward_backward(
         model, loss_fn, micro_batches, device=device,
         # in backward: one backward per step, so each hook sees the parameter's whole step gradient
         # (no fallback to a backward per micro-batch either)
-        backward_once_per_step=backward_once_per_step or in_backward, dp_group=dp_group,
+        backward="once_per_step" if in_backward else mode, dp_group=dp_group,
         memory_guard=None if in_backward else memory_guard, baseline=baseline, step=step,
     )
     num_tokens, local_num_tokens = totals.num_tokens, totals.local_num_tokens
