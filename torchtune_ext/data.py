@@ -27,6 +27,7 @@ a sample, which adds no token and no loss.
 """
 
 import math
+import time
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -313,6 +314,9 @@ class StepData:
             position; :class:`torchtune_ext.memory.MicroBatchShape`): what
             the memory guard's default limit compares a once-per-step step with
             (:class:`torchtune_ext.memory.MemoryGuard`).
+        load_seconds (float): wall time spent reading, tokenizing and collating
+            the step's samples (:meth:`StepLoader.epoch`): training waits for
+            it, as the loader runs in the training process.
     """
 
     micro_batches: List[Dict[str, Any]]
@@ -324,6 +328,7 @@ class StepData:
     padded_squared_lengths: int = 0
     real_squared_lengths: int = 0
     baseline: List[MicroBatchShape] = field(default_factory=list)
+    load_seconds: float = 0.0
 
 
 def _real_documents(sample: Sample, ignore_index: int) -> List[int]:
@@ -425,7 +430,9 @@ class StepLoader:
         for i in range(steps):
             indices = order[position:position + self.global_batch_size]
             position += len(indices)
+            start = time.perf_counter()
             step = self.load_step(indices, end_sample=position)
+            step.load_seconds = time.perf_counter() - start
             step.last_in_epoch = i == steps - 1
             yield step
 

@@ -33,10 +33,12 @@ ranks' gradients. The distributed recipes set FSDP's gradient divide factor
 to 1 so that FSDP sums instead of averaging.
 """
 
+import contextlib
 import logging
+import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -76,6 +78,12 @@ class StepResult:
         once_per_step (bool | None): the step's gradient came from one
             backward (True) or one per micro-batch (False); None when no
             backward ran.
+        wait_seconds (float): wall time this rank spent in the step's own
+            collectives (the token count before any forward, the memory
+            guard's figures, the loss sums, the gradient norm): time waiting
+            for the slowest rank to get there, since each moves a few numbers
+            only. FSDP's gathers and reduce-scatters are not included. 0 with
+            one process.
     """
 
     loss: Optional[float]
@@ -85,6 +93,59 @@ class StepResult:
     skipped: Optional[str] = None
     metrics: Dict[str, float] = field(default_factory=dict)
     once_per_step: Optional[bool] = None
+    wait_seconds: float = 0.0
+
+
+class RankWait:
+    """Adds up the wall time of a step's blocking collectives on this rank (:attr:`StepResult.wait_seconds`).
+
+    Args:
+        device: the training device; on CUDA the queued work is finished
+            before and after each collective, so that only the collective
+            (and the wait for the other ranks in it) is timed.
+        active: False with one process: nothing is measured.
+    """
+
+    def __init__(self, device: torch.device, active: bool):
+        self.device, self.active, self.seconds = device, active, 0.0
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @contextlib.contextmanager
+    def measure(self) -> Iterator[None]:
+        if not self.active:
+            yield
+            return
+        self._sync()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._sync()
+            self.seconds += time.perf_counter() - start
+
+
+def waiting_shares(result: StepResult, step_seconds: float, data_seconds: float = 0.0) -> Dict[str, float]:
+    """Where a step's wall time went besides computing: the step record's waiting keys.
+
+    The wall time is ``data_seconds + step_seconds`` (loading the step's
+    samples, then the step itself).
+
+    Returns:
+        dict: ``data_seconds``; ``data_wait_fraction``, the share of it spent
+        loading the data (:attr:`torchtune_ext.data.StepData.load_seconds`);
+        ``rank_wait_fraction``, the share spent waiting for the other ranks in
+        the step's collectives (:attr:`StepResult.wait_seconds`). Shares are 0
+        when no time was measured.
+    """
+    total = data_seconds + step_seconds
+    return {
+        "data_seconds": data_seconds,
+        "data_wait_fraction": data_seconds / total if total > 0 else 0.0,
+        "rank_wait_fraction": result.wait_seconds / total if total > 0 else 0.0,
+    }
 
 
 def build_lr_scheduler(cfg_lr_scheduler: Any, optimizer: torch.optim.Optimizer, num_training_steps: int):
@@ -215,6 +276,7 @@ def forward_backward(
     baseline: Optional[Sequence[MicroBatchShape]] = None,
     step: int = 0,
     backward_once_per_step: Optional[bool] = None,
+    rank_wait: Optional[RankWait] = None,
 ) -> TokenTotals:
     """Accumulate the normalized gradient of one optimizer step.
 
@@ -256,6 +318,7 @@ def forward_backward(
         step (int): optimizer step number, for log lines.
         backward_once_per_step (bool, optional): the older argument, used when
             ``backward`` is None (:func:`backward_mode`).
+        rank_wait (RankWait, optional): adds the time of the step's collectives.
 
     Returns:
         TokenTotals: the step's global and local trainable token counts and
@@ -267,13 +330,15 @@ def forward_backward(
         ValueError: an unknown ``backward``.
     """
     mode = backward_mode(backward, backward_once_per_step)
+    rank_wait = rank_wait or RankWait(device, active=False)
     tally = TokenTally(loss_fn.metric_names, device, loss_fn.ignore_index)
     prepared, counts = [], []
     for micro_batch in micro_batches:
         inputs, labels = prepare_micro_batch(micro_batch, device, loss_fn.ignore_index)
         counts.append(tally.count(labels))
         prepared.append((inputs, labels))
-    num_tokens = tally.global_num_tokens(dp_group)
+    with rank_wait.measure():
+        num_tokens = tally.global_num_tokens(dp_group)
     if num_tokens == 0:
         return TokenTotals(0, 0, dict.fromkeys(tally.names, 0.0))
 
@@ -283,7 +348,9 @@ def forward_backward(
     if once and memory_guard is not None and (mode == "auto" or not memory_guard.warned_once_per_step):
         shapes = shapes_of(prepared, counts)
         # every rank decides on the same figures: the largest rank's needs bound the step
-        needs = _largest_over_ranks(memory_guard.step_needs(shapes, baseline), device, dp_group)
+        needs = memory_guard.step_needs(shapes, baseline)
+        with rank_wait.measure():
+            needs = _largest_over_ranks(needs, device, dp_group)
         if mode == "auto":
             once, defer_sync = memory_guard.decide_step(needs)
             memory_guard.report(once, shapes, step)
@@ -291,15 +358,15 @@ def forward_backward(
             memory_guard.warn_once_per_step(needs, shapes, step)
     if not once:
         _backward_per_micro_batch(model, loss_fn, prepared, tally, num_tokens, defer_sync=defer_sync)
-        return _with_mode(tally.totals(dp_group), len(prepared) == 1)
+        return _with_mode(_totals(tally, dp_group, rank_wait), len(prepared) == 1)
     if dp_is_active(dp_group) or mode == "once_per_step":  # asked for: an out-of-memory error stands
         _backward_once(model, loss_fn, prepared, tally, num_tokens)
-        return _with_mode(tally.totals(dp_group), True)
+        return _with_mode(_totals(tally, dp_group, rank_wait), True)
 
     rng = _rng_state(device)
     try:
         _backward_once(model, loss_fn, prepared, tally, num_tokens)
-        return _with_mode(tally.totals(dp_group), True)
+        return _with_mode(_totals(tally, dp_group, rank_wait), True)
     except torch.OutOfMemoryError:
         pass  # handled below, once the exception (and the graph its traceback holds) is gone
     log.warning("Optimizer step %d: out of memory with backward once per step; redoing the step with a "
@@ -316,7 +383,12 @@ def forward_backward(
     for _inputs, labels in prepared:
         tally.count(labels)
     _backward_per_micro_batch(model, loss_fn, prepared, tally, num_tokens)
-    return _with_mode(tally.totals(dp_group), False)
+    return _with_mode(_totals(tally, dp_group, rank_wait), False)
+
+
+def _totals(tally: TokenTally, dp_group, rank_wait: RankWait) -> TokenTotals:
+    with rank_wait.measure():
+        return tally.totals(dp_group)
 
 
 def _with_mode(totals: TokenTotals, once_per_step: bool) -> TokenTotals:
@@ -360,7 +432,8 @@ def _sum_of_squares(tensor: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def grad_norm_and_clip(parameters: Iterable[torch.Tensor], max_norm: Optional[float]) -> torch.Tensor:
+def grad_norm_and_clip(parameters: Iterable[torch.Tensor], max_norm: Optional[float],
+                       rank_wait: Optional[RankWait] = None) -> torch.Tensor:
     """Total L2 norm of all gradients (all shards), then clip in place if asked.
 
     The squares are summed in blocks and then in float64 (:func:`_sum_of_squares`):
@@ -374,6 +447,7 @@ def grad_norm_and_clip(parameters: Iterable[torch.Tensor], max_norm: Optional[fl
         parameters: trainable parameters; those without ``.grad`` are ignored.
         max_norm (float, optional): clip so the total norm is at most this;
             None or <= 0 disables clipping (the norm is still computed).
+        rank_wait (RankWait, optional): adds the time of the all-reduce.
 
     Returns:
         torch.Tensor: float64 scalar on the gradients' device, the norm
@@ -391,8 +465,9 @@ def grad_norm_and_clip(parameters: Iterable[torch.Tensor], max_norm: Optional[fl
             sharded += _sum_of_squares(grad.to_local())
         else:  # a whole tensor on every rank: count it once
             replicated += _sum_of_squares(grad)
-    for group in groups:
-        dist.all_reduce(sharded, op=dist.ReduceOp.SUM, group=group)
+    with rank_wait.measure() if rank_wait is not None and groups else contextlib.nullcontext():
+        for group in groups:
+            dist.all_reduce(sharded, op=dist.ReduceOp.SUM, group=group)
     norm = (sharded + replicated).sqrt()
     if max_norm is not None and max_norm > 0:
         scale = max_norm / (norm.item() + 1e-6)
@@ -461,19 +536,20 @@ def train_step(
             raise ValueError("clip_grad_norm cannot be used with an optimizer in backward")
         optimizer.start_step()
     mode = backward_mode(backward, backward_once_per_step)
+    rank_wait = RankWait(device, active=dp_is_active(dp_group))
     totals = forward_backward(
         model, loss_fn, micro_batches, device=device,
         # in backward: one backward per step, so each hook sees the parameter's whole step gradient
         # (no fallback to a backward per micro-batch either)
         backward="once_per_step" if in_backward else mode, dp_group=dp_group,
-        memory_guard=None if in_backward else memory_guard, baseline=baseline, step=step,
+        memory_guard=None if in_backward else memory_guard, baseline=baseline, step=step, rank_wait=rank_wait,
     )
     num_tokens, local_num_tokens = totals.num_tokens, totals.local_num_tokens
     if num_tokens == 0:
         optimizer.zero_grad(set_to_none=True)
         health.empty(step)
         log.warning("Optimizer step %d skipped: no trainable token in any of its micro-batches.", step)
-        return StepResult(None, 0, 0, None, skipped="empty")
+        return StepResult(None, 0, 0, None, skipped="empty", wait_seconds=rank_wait.seconds)
 
     means = totals.means()
     loss = means.pop("loss")
@@ -481,7 +557,7 @@ def train_step(
     if in_backward:  # the hooks updated the parameters in backward and summed their gradients' squares
         grad_norm = optimizer.grad_norm().item()
     else:
-        grad_norm = grad_norm_and_clip(params, clip_grad_norm).item()
+        grad_norm = grad_norm_and_clip(params, clip_grad_norm, rank_wait).item()
     try:
         skip = health.before_update(step, loss, grad_norm, num_tokens)
     except TrainingHealthError:
@@ -491,9 +567,10 @@ def train_step(
     if skip:
         optimizer.zero_grad(set_to_none=True)
         return StepResult(loss, num_tokens, local_num_tokens, grad_norm, skipped="non-finite", metrics=means,
-                          once_per_step=totals.once_per_step)
+                          once_per_step=totals.once_per_step, wait_seconds=rank_wait.seconds)
 
     optimizer.step()  # in backward: the hooks updated already; this finds no gradient
     optimizer.zero_grad(set_to_none=True)
     health.after_update(step, params, loss, grad_norm)
-    return StepResult(loss, num_tokens, local_num_tokens, grad_norm, metrics=means, once_per_step=totals.once_per_step)
+    return StepResult(loss, num_tokens, local_num_tokens, grad_norm, metrics=means, once_per_step=totals.once_per_step,
+                      wait_seconds=rank_wait.seconds)
