@@ -150,3 +150,20 @@ def test_the_recipe_stops_with_one_line_and_writes_nothing(tiny_run):
     assert proc.stderr.strip().splitlines()[-1].startswith(
         "error: config key 'dataset': no trainable token in any of its 24 documents")
     assert not out.exists()
+
+
+def test_dataset_val_null_on_the_command_line_turns_the_validation_set_off(tiny_run):
+    """torchtune's parser reads `dataset_val=null` as dataset_val._component_=null (its shorthand for a
+    component, as metric_logger=null): that is "no validation set", not a malformed one."""
+    import argparse
+
+    from torchtune.config._utils import _merge_yaml_and_cli_args
+
+    yaml = OmegaConf.to_container(OmegaConf.load(tiny_run()))
+    yaml["dataset_val"] = dict(yaml["dataset"])
+    cfg = _merge_yaml_and_cli_args(argparse.Namespace(**yaml), ["dataset_val=null"])
+    assert cfg.dataset_val._component_ is None
+    assert validate(cfg).dataset_val is None
+    cfg.run_val_every_n_steps = 2
+    with pytest.raises(ConfigError, match="'dataset_val': is required by run_val_every_n_steps"):
+        validate(cfg)

@@ -164,7 +164,7 @@ def _val_every_n_steps(key: str, value: Any) -> None:
 
 
 def _optional_dataset(key: str, value: Any) -> None:
-    if value is not None:
+    if enabled(value) is not None:  # `dataset_val=null` on the command line: no validation set
         _dataset(key, value)
 def _refused_if_true(why: str) -> Callable[[str, Any], None]:
     def check(key: str, value: Any) -> None:
@@ -593,6 +593,8 @@ def check_output_dir(path: str, key: str = "output_dir") -> None:
 
 
 def _check_validation(cfg: DictConfig, training: bool) -> None:
+    if enabled(cfg.dataset_val) is None:
+        cfg.dataset_val = None
     if cfg.batch_size_val is None:
         cfg.batch_size_val = cfg.batch_size
     if not training:
