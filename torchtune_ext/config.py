@@ -163,8 +163,14 @@ def _val_every_n_steps(key: str, value: Any) -> None:
                           f"no validation, got {value!r}")
 
 
+def _switched_off(node: Any) -> bool:
+    """None, or torchtune's ``key=null`` on the command line (it sets ``key._component_`` to null)."""
+    return node is None or (isinstance(node, (dict, DictConfig)) and "_component_" in node
+                            and node["_component_"] is None)
+
+
 def _optional_dataset(key: str, value: Any) -> None:
-    if enabled(value) is not None:  # `dataset_val=null` on the command line: no validation set
+    if not _switched_off(value):  # `dataset_val=null` on the command line: no validation set
         _dataset(key, value)
 def _refused_if_true(why: str) -> Callable[[str, Any], None]:
     def check(key: str, value: Any) -> None:
@@ -593,7 +599,7 @@ def check_output_dir(path: str, key: str = "output_dir") -> None:
 
 
 def _check_validation(cfg: DictConfig, training: bool) -> None:
-    if enabled(cfg.dataset_val) is None:
+    if _switched_off(cfg.dataset_val):
         cfg.dataset_val = None
     if cfg.batch_size_val is None:
         cfg.batch_size_val = cfg.batch_size
