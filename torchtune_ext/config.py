@@ -620,13 +620,16 @@ def _check_validation(cfg: DictConfig, training: bool) -> None:
 
 
 def _resolve_backward(cfg: DictConfig, backward_given: bool) -> None:
-    """Map the older ``backward_once_per_step`` onto ``backward`` (one line from rank 0).
+    """Map the older ``backward_once_per_step`` onto ``backward`` (one line from rank 0 when it decides).
 
     true reads as ``auto`` (it always meant "once per step where it fits"), or
-    leaves an explicit ``once_per_step``; false reads as ``per_micro_batch``.
-    A given ``backward`` that contradicts it is an error. Afterwards
-    ``backward_once_per_step`` holds ``backward != per_micro_batch``, for
-    callers of ``train_step`` that still pass it (``backward`` wins there).
+    agrees with an explicit ``once_per_step``; false reads as
+    ``per_micro_batch``, also over a ``backward: auto`` (as in the shipped
+    configs, with the older key on the command line). A given ``backward``
+    that contradicts it is an error; one it agrees with is not mentioned.
+    Afterwards ``backward_once_per_step`` holds ``backward != per_micro_batch``,
+    for callers of ``train_step`` that still pass it (``backward`` wins there),
+    so a saved config, validated again, says nothing.
     """
     old = cfg.backward_once_per_step
     if old is not None:
@@ -636,16 +639,14 @@ def _resolve_backward(cfg: DictConfig, backward_given: bool) -> None:
         if backward_given and cfg.backward not in compatible:
             raise ConfigError("backward_once_per_step", f"{text} contradicts backward={cfg.backward}; remove "
                               "backward_once_per_step, the older name of backward")
-        if backward_given and cfg.backward != "auto":
-            said = f"agrees with backward={cfg.backward}"
-        else:
+        if not backward_given or (cfg.backward == "auto" and mapped != "auto"):
             cfg.backward = mapped
             said = f"runs as backward={mapped}" + (
                 " (backward once per optimizer step where it fits under once_per_step_memory_limit, else per "
                 "micro-batch; backward=once_per_step always runs it once per step)" if old else "")
-        if _rank() == 0:
-            _run_logger(cfg).warning(f"Config key 'backward_once_per_step' is the older name of 'backward': "
-                                     f"backward_once_per_step={text} {said}.")
+            if _rank() == 0:
+                _run_logger(cfg).warning(f"Config key 'backward_once_per_step' is the older name of 'backward': "
+                                         f"backward_once_per_step={text} {said}.")
     if cfg.optimizer_in_bwd and cfg.backward == "per_micro_batch" and cfg.max_tokens_per_micro_batch and _rank() == 0:
         # several micro-batches per step only come from the token budget (optimizer_in_bwd needs GA 1)
         _run_logger(cfg).warning("backward=per_micro_batch does not apply with optimizer_in_bwd=true: each "

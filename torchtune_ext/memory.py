@@ -55,7 +55,7 @@ from torchtune import utils
 from torchtune_ext.checkpoint import format_bytes
 from torchtune_ext.runtime import allocator_free_bytes
 
-# torchtune's logger: the recipes' INFO lines show, so a mode change is seen in the run's output
+# torchtune's logger: the recipes' lines show; a mode change under backward=auto is DEBUG (log_level: DEBUG)
 log = utils.get_logger("INFO")
 
 
