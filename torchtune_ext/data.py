@@ -486,8 +486,8 @@ def build_step_loader(cfg: Any, tokenizer: Any, *, seed: int, ignore_index: int,
                       dp_rank: int = 0, dp_world_size: int = 1) -> StepLoader:
     """The training :class:`StepLoader` of a validated recipe config.
 
-    Reads ``dataset``, ``data_errors``, ``model`` (its ``max_seq_len``, :func:`torchtune_ext.preflight.model_max_seq_len`),
-    ``collate_fn``, ``batch_size``, ``gradient_accumulation_steps``,
+    Reads ``dataset``, ``data_errors``, ``model`` (its ``max_seq_len``:
+    :func:`torchtune_ext.preflight.model_max_seq_len`), ``collate_fn``, ``batch_size``, ``gradient_accumulation_steps``,
     ``shuffle``, ``group_by_length``, ``max_tokens_per_micro_batch``, ``pack_micro_batches`` and
     ``max_steps_per_epoch``.
 

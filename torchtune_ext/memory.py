@@ -42,7 +42,6 @@ width, heads, LoRA rank and dropout, fp32 and bf16; ``tests/test_memory.py``
 checks the formula against such counts.
 """
 
-import logging
 import os
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple
