@@ -12,6 +12,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from helpers import REPO_ROOT
 from torchtune_ext.config import ConfigError, validate
 from torchtune_ext.data import build_dataset, build_step_loader
 from torchtune_ext.preflight import check_components
@@ -110,18 +111,23 @@ def _without_root_powers():
     return ["setpriv", "--bounding-set", "-dac_override,-dac_read_search"]
 
 
-def test_an_unreadable_data_file_says_so(tiny_run, tmp_path):
-    """chmod 000: the message said 'No such file or directory'."""
-    data = tmp_path / "secret.json"
+@pytest.mark.parametrize("locked", ["file", "folder"])
+def test_an_unreadable_data_file_says_so(tiny_run, tmp_path, locked):
+    """chmod 000 of the file, or of its folder (the file then looks missing): the message said
+    'No such file or directory'."""
+    (tmp_path / "private").mkdir()
+    data = tmp_path / "private" / "secret.json"
     data.write_text(json.dumps([GOOD] * 3))
     config = tmp_path / "unreadable.yaml"
     OmegaConf.save(_with_data(tiny_run, data), config)
-    data.chmod(0)
+    target = data if locked == "file" else data.parent
+    target.chmod(0)
     try:
         proc = subprocess.run([*_without_root_powers(), sys.executable, "-c", UNREADABLE, str(config)],
-                              capture_output=True, text=True, timeout=120)
+                              capture_output=True, text=True, timeout=120,
+                              env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
     finally:
-        data.chmod(0o644)
+        target.chmod(0o755)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == (f"config key 'dataset.data_files': '{data}' cannot be read (permission denied); "
                                    f"make it readable (chmod a+r) or point dataset.data_files at a copy")

@@ -563,17 +563,17 @@ def check_input_files(cfg: DictConfig, dataset_keys: Optional[Tuple[str, ...]] =
 
 def _check_data_file(key: str, path: str) -> None:
     """A local data file exists, can be read and is not empty (the datasets library
-    reports an empty file as a bare StopIteration)."""
-    if not os.path.exists(path):
-        raise _missing_input(key, path)
-    if not os.path.isfile(path):
+    reports an empty file as a bare StopIteration, an unreadable one as missing)."""
+    if os.path.isdir(path):
         return  # a folder: the datasets library lists and reads its files
     try:
         with open(path, "rb"):
             pass
-    except PermissionError:
+    except PermissionError:  # the file, or a folder above it (which makes it look missing)
         raise ConfigError(key, f"'{path}' cannot be read (permission denied); make it readable (chmod a+r) or "
                           f"point {key} at a copy") from None
+    except FileNotFoundError:
+        raise _missing_input(key, path) from None
     if os.path.getsize(path) == 0:
         raise ConfigError(key, f"'{path}' is empty (0 bytes); point {key} at the file with the records")
 
