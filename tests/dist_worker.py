@@ -39,6 +39,7 @@ on the same initial weights, and saves what it measured.
 import faulthandler
 import json
 import sys
+import time
 from types import SimpleNamespace
 from typing import Optional
 
@@ -59,6 +60,7 @@ from torchtune_ext.step import train_step
 
 CPU = torch.device("cpu")
 EVAL_EMBEDDING_STD = 0.3
+LATE_SECONDS = 0.5  # a ``late_rank`` case: that rank starts each step this much later
 ARCH = dict(vocab_size=VOCAB, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=32,
             intermediate_dim=64, max_seq_len=128)
 
@@ -175,12 +177,15 @@ def run_case(case: dict, rank: int, world_size: int) -> dict:
     for i, step_data in enumerate(loader.epoch(0)):
         window = step_data.micro_batches
         before = reduce_scatters[0]
+        if case.get("late_rank") == rank:  # this rank reaches the step's collectives later than the others
+            time.sleep(LATE_SECONDS)
         r = train_step(model, optimizer, loss_fn, window, device=CPU, backward_once_per_step=case["once"],
                        clip_grad_norm=case.get("clip"), step=i + 1, memory_guard=guard,
                        baseline=step_data.baseline if case.get("guard_baseline") else None)
         modes.append(None if guard is None else guard.once_per_step)
         steps.append({"loss": r.loss, "grad_norm": r.grad_norm, "num_tokens": r.num_tokens,
-                      "local_num_tokens": r.local_num_tokens, "micro_batches": len(window), **r.metrics})
+                      "local_num_tokens": r.local_num_tokens, "micro_batches": len(window),
+                      "wait_seconds": r.wait_seconds, **r.metrics})
         scatters_per_step.append(reduce_scatters[0] - before)
     full = distributed.gather_full_model_state_dict(model, CPU)
     extra = {}

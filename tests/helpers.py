@@ -261,6 +261,10 @@ def tiny_recipe_config(config: str, model: Dict, assets, checkpoint_dir, output_
     cfg.tokenizer.path = str(assets / "SmolLM2-135M-Instruct")
     cfg.tokenizer.max_seq_len = 128
     cfg.dataset.data_files = str(assets / "data" / "alpaca_en_demo.json")
+    # the whole file (the shipped split holds out the records of its dataset_val), no validation:
+    # a test that validates sets run_val_every_n_steps itself
+    cfg.dataset.split = "train"
+    cfg.run_val_every_n_steps, cfg.run_val_at_start = None, False
     cfg.output_dir = str(output_dir)
     cfg.metric_logger = None
     return OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))

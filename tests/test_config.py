@@ -30,7 +30,7 @@ def test_defaults_are_filled(cfg):
     out = validate(cfg)
     for key, spec in COMMON_KEYS.items():
         assert key in out
-    assert out.gradient_accumulation_steps == 1 and out.backward_once_per_step is True
+    assert out.gradient_accumulation_steps == 1 and out.backward == "auto"
     assert out.loss._component_ == "torchtune_ext.loss.SummedCrossEntropyLoss"
     assert "batch_size" not in cfg  # input untouched
 
@@ -43,7 +43,7 @@ def test_positive_integers(cfg, key, value):
         validate(cfg)
 
 
-@pytest.mark.parametrize("value", ["yes", 1, None])
+@pytest.mark.parametrize("value", ["yes", 1])  # null: not given (tests/test_backward_mode.py)
 def test_backward_once_per_step_must_be_boolean(cfg, value):
     cfg.backward_once_per_step = value
     with pytest.raises(ConfigError, match="'backward_once_per_step'.*true or false"):

@@ -122,12 +122,16 @@ def launch(world_size, cases, out):
     return torch.load(out, weights_only=False)
 
 
+# rank 1 starts every step 0.5 s late (tests/dist_worker.py): rank 0 waits for it in the step's collectives
+LATE_CASE = case(2, 2, 1, False, late_rank=1)
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dist")
     out = {}
     for world_size in (1, 2):
-        cases = [c for c in CASES + PACKED_CASES + EVAL_CASES + OPTIM_IN_BWD_CASES + GUARD_CASES
+        cases = [c for c in CASES + PACKED_CASES + EVAL_CASES + OPTIM_IN_BWD_CASES + GUARD_CASES + [LATE_CASE]
                  if c["world_size"] == world_size]
         out.update(launch(world_size, cases, tmp / f"w{world_size}.pt"))
     return out
@@ -319,3 +323,12 @@ def test_optimizer_in_backward_equals_the_normal_step(results, name):
     groups = results[name]["optimizer_state"]["param_groups"]
     assert sorted(p for g in groups for p in g["params"]) == sorted(trainable)
     assert all(len(g["params"]) == 1 for g in groups)
+
+
+def test_a_late_rank_shows_as_the_others_waiting(results):
+    """StepResult.wait_seconds (the progress bar's 'waiting: ranks'): rank 0 spends the 0.5 s by which rank 1
+    is late in the step's first collective, the token count; with one process nothing is measured."""
+    late = [s["wait_seconds"] for s in results[LATE_CASE["name"]]["steps"]]
+    assert len(late) == 3 and all(0.4 <= w < 2.0 for w in late), late
+    one_rank = results[case(1, 4, 1, False)["name"]]["steps"]
+    assert all(s["wait_seconds"] == 0.0 for s in one_rank)

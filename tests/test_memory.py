@@ -134,7 +134,16 @@ def grads_of(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+TORCHTUNE_LOGGER = "torchtune.utils._logging"  # the guard logs through torchtune's logger (its own level: INFO)
+
+
+def backward_lines(caplog, level):
+    return [r.getMessage() for r in caplog.records if "backward" in r.getMessage() and r.levelno >= level]
+
+
 def test_guard_falls_back_and_comes_back_with_one_line_each(caplog):
+    """backward=auto (the default): each change of mode is one DEBUG line with the numbers, nothing above
+    DEBUG (the choice is the one asked for; issue 33 U3)."""
     model = build("full")
     loss_fn = RecordingLoss()
     loss_fn.take_output_projection(model)
@@ -147,29 +156,31 @@ def test_guard_falls_back_and_comes_back_with_one_line_each(caplog):
     model.zero_grad(set_to_none=True)
     loss_fn.recomputed.clear()
     free["bytes"] = 1000
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.DEBUG, logger=TORCHTUNE_LOGGER):
         for step in (2, 3):
             model.zero_grad(set_to_none=True)
             forward_backward(model, loss_fn, micro_batches(), device=CPU, memory_guard=guard, step=step)
     assert loss_fn.recomputed == [False] * 6 and not guard.once_per_step
-    lines = [r.getMessage() for r in caplog.records if "backward" in r.getMessage()]
-    assert len(lines) == 1 and "Step 2" in lines[0] and "per micro-batch" in lines[0]
+    lines = backward_lines(caplog, logging.DEBUG)
+    assert len(lines) == 1 and lines[0].startswith("Step 2: backward=auto runs backward per micro-batch")
+    assert "1000 B available" in lines[0] and not backward_lines(caplog, logging.INFO)
     for name, grad in grads_of(model).items():
         assert rel_diff(grad, once_grads[name]) <= 1e-5, name
 
     caplog.clear()
     free["bytes"] = 1 << 50
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.DEBUG, logger=TORCHTUNE_LOGGER):
         model.zero_grad(set_to_none=True)
         forward_backward(model, loss_fn, micro_batches(), device=CPU, memory_guard=guard, step=4)
     assert guard.once_per_step
-    lines = [r.getMessage() for r in caplog.records if "backward" in r.getMessage()]
-    assert len(lines) == 1 and lines[0].startswith("Step 4: backward once per step again")
+    lines = backward_lines(caplog, logging.DEBUG)
+    assert len(lines) == 1 and lines[0].startswith("Step 4: backward=auto runs backward once per step again")
+    assert not backward_lines(caplog, logging.INFO)
 
 
 def test_default_limit_is_what_torchtunes_recipe_needs_for_the_step(caplog):
     """limit="torchtune": once per step only if its estimate is no more than a backward per padded
-    micro-batch with full logits over the step's baseline; said once at INFO, later flips below it.
+    micro-batch with full logits over the step's baseline; each flip a DEBUG line, nothing above.
     limit="device" ignores the baseline. Either way the gradients are the same."""
     model = build("full")
     loss_fn = RecordingLoss()
@@ -190,17 +201,17 @@ def test_default_limit_is_what_torchtunes_recipe_needs_for_the_step(caplog):
 
     guard = MemoryGuard(model, CPU, available=plenty)
     assert guard.limit == "torchtune"
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.DEBUG, logger=TORCHTUNE_LOGGER):
         recomputed, each_grads = step(guard, small, 1)
         assert recomputed == [False] * 3 and not guard.once_per_step
         recomputed, once_grads = step(guard, large, 2)
         assert recomputed == [True] * 3 and guard.once_per_step
         step(guard, small, 3)
         assert not guard.once_per_step
-    lines = [r.getMessage() for r in caplog.records if "backward" in r.getMessage()]
-    assert len(lines) == 1  # the flips of steps 2 and 3 are below INFO
-    assert lines[0].startswith("Step 1:") and "torchtune's recipe" in lines[0] \
-        and "once_per_step_memory_limit=device" in lines[0]
+    lines = backward_lines(caplog, logging.DEBUG)
+    assert [line.split(":")[0] for line in lines] == ["Step 1", "Step 2", "Step 3"]
+    assert "torchtune's recipe" in lines[0] and "once_per_step_memory_limit=device" in lines[0]
+    assert not backward_lines(caplog, logging.INFO)
     for name, grad in each_grads.items():
         assert rel_diff(grad, once_grads[name]) <= 1e-5, name
 

@@ -87,6 +87,15 @@ def _boolean(key: str, value: Any) -> None:
         raise ConfigError(key, f"expected true or false, got {value!r}")
 
 
+def _optional_boolean(key: str, value: Any) -> None:
+    if value is not None:
+        _boolean(key, value)
+
+
+# Values of the `backward` key (torchtune_ext.step.forward_backward).
+BACKWARD_MODES = ("auto", "once_per_step", "per_micro_batch")
+
+
 # Boolean arguments of torch.optim optimizers (fused and foreach also take null: torch decides).
 _OPTIMIZER_FLAGS = ("fused", "foreach", "amsgrad", "maximize", "capturable", "differentiable", "decoupled_weight_decay")
 
@@ -159,8 +168,14 @@ def _val_every_n_steps(key: str, value: Any) -> None:
                           f"no validation, got {value!r}")
 
 
+def _switched_off(node: Any) -> bool:
+    """None, or torchtune's ``key=null`` on the command line (it sets ``key._component_`` to null)."""
+    return node is None or (isinstance(node, (dict, DictConfig)) and "_component_" in node
+                            and node["_component_"] is None)
+
+
 def _optional_dataset(key: str, value: Any) -> None:
-    if value is not None:
+    if not _switched_off(value):  # `dataset_val=null` on the command line: no validation set
         _dataset(key, value)
 def _refused_if_true(why: str) -> Callable[[str, Any], None]:
     def check(key: str, value: Any) -> None:
@@ -285,11 +300,18 @@ COMMON_KEYS: Dict[str, Key] = {
     "epochs": Key(1, _positive_int),
     "max_steps_per_epoch": Key(None, _optional_positive_int),
     "gradient_accumulation_steps": Key(1, _positive_int),
-    "backward_once_per_step": Key(True, _boolean),
-    # What bounds a once-per-step step's memory (torchtune_ext.memory.MemoryGuard): "torchtune"
-    # (no more than torchtune's recipe needs for the same samples, and within the device's
-    # free memory) or "device" (the free memory only). Otherwise the step runs backward per
-    # micro-batch, with the same gradients.
+    # How a step's micro-batches are backpropagated (torchtune_ext.step.forward_backward), with the
+    # same gradients: "once_per_step" keeps every micro-batch's graph for one backward on the
+    # step's sum; "per_micro_batch" runs a backward after each micro-batch (memory flat in
+    # gradient_accumulation_steps); "auto" decides per step: once per step when it fits under
+    # once_per_step_memory_limit, else per micro-batch.
+    "backward": Key("auto", _one_of(*BACKWARD_MODES)),
+    # The older name: true reads as backward=auto, false as backward=per_micro_batch (said once).
+    "backward_once_per_step": Key(None, _optional_boolean),
+    # What bounds a once-per-step step's memory under backward=auto (torchtune_ext.memory.MemoryGuard):
+    # "torchtune" (no more than torchtune's recipe needs for the same samples, and within the
+    # device's free memory) or "device" (the free memory only). Otherwise the step runs backward
+    # per micro-batch, with the same gradients.
     "once_per_step_memory_limit": Key("torchtune", _one_of("torchtune", "device")),
     # How a step's samples are arranged into micro-batches (torchtune_ext.data.plan_step):
     # the set of samples per optimizer step, and so the loss, does not depend on it.
@@ -604,8 +626,25 @@ def check_input_files(cfg: DictConfig, dataset_keys: Optional[Tuple[str, ...]] =
         for i, ds in enumerate(datasets):
             prefix = key if len(datasets) == 1 else f"{key}[{i}]"
             for path in _paths(ds.get("data_files")):
-                if "://" not in path and not os.path.exists(path):
-                    raise _missing_input(f"{prefix}.data_files", path)
+                if "://" not in path:
+                    _check_data_file(f"{prefix}.data_files", path)
+
+
+def _check_data_file(key: str, path: str) -> None:
+    """A local data file exists, can be read and is not empty (the datasets library
+    reports an empty file as a bare StopIteration, an unreadable one as missing)."""
+    if os.path.isdir(path):
+        return  # a folder: the datasets library lists and reads its files
+    try:
+        with open(path, "rb"):
+            pass
+    except PermissionError:  # the file, or a folder above it (which makes it look missing)
+        raise ConfigError(key, f"'{path}' cannot be read (permission denied); make it readable (chmod a+r) or "
+                          f"point {key} at a copy") from None
+    except FileNotFoundError:
+        raise _missing_input(key, path) from None
+    if os.path.getsize(path) == 0:
+        raise ConfigError(key, f"'{path}' is empty (0 bytes); point {key} at the file with the records")
 
 
 def check_output_dir(path: str, key: str = "output_dir") -> None:
@@ -629,6 +668,8 @@ def check_output_dir(path: str, key: str = "output_dir") -> None:
 
 
 def _check_validation(cfg: DictConfig, training: bool) -> None:
+    if _switched_off(cfg.dataset_val):
+        cfg.dataset_val = None
     if cfg.batch_size_val is None:
         cfg.batch_size_val = cfg.batch_size
     if not training:
@@ -645,6 +686,52 @@ def _check_validation(cfg: DictConfig, training: bool) -> None:
         utils.get_logger(cfg.get("log_level")).info(
             "dataset_val is set but run_val_every_n_steps is null: no validation during training "
             "(set run_val_every_n_steps=N to validate every N optimizer steps and at the end)")
+
+
+def _resolve_backward(cfg: DictConfig, backward_given: bool) -> None:
+    """Map the older ``backward_once_per_step`` onto ``backward`` (one line from rank 0 when it decides).
+
+    true reads as ``auto`` (it always meant "once per step where it fits"), or
+    agrees with an explicit ``once_per_step``; false reads as
+    ``per_micro_batch``, also over a ``backward: auto`` (as in the shipped
+    configs, with the older key on the command line). A given ``backward``
+    that contradicts it is an error; one it agrees with is not mentioned.
+    Afterwards ``backward_once_per_step`` holds ``backward != per_micro_batch``,
+    for callers of ``train_step`` that still pass it (``backward`` wins there),
+    so a saved config, validated again, says nothing.
+    """
+    old = cfg.backward_once_per_step
+    if old is not None:
+        mapped = "auto" if old else "per_micro_batch"
+        compatible = ("auto", "once_per_step") if old else ("auto", "per_micro_batch")
+        text = str(old).lower()
+        if backward_given and cfg.backward not in compatible:
+            raise ConfigError("backward_once_per_step", f"{text} contradicts backward={cfg.backward}; remove "
+                              "backward_once_per_step, the older name of backward")
+        if not backward_given or (cfg.backward == "auto" and mapped != "auto"):
+            cfg.backward = mapped
+            said = f"runs as backward={mapped}" + (
+                " (backward once per optimizer step where it fits under once_per_step_memory_limit, else per "
+                "micro-batch; backward=once_per_step always runs it once per step)" if old else "")
+            if _rank() == 0:
+                _run_logger(cfg).warning(f"Config key 'backward_once_per_step' is the older name of 'backward': "
+                                         f"backward_once_per_step={text} {said}.")
+    if cfg.optimizer_in_bwd and cfg.backward == "per_micro_batch" and cfg.max_tokens_per_micro_batch and _rank() == 0:
+        # several micro-batches per step only come from the token budget (optimizer_in_bwd needs GA 1)
+        _run_logger(cfg).warning("backward=per_micro_batch does not apply with optimizer_in_bwd=true: each "
+                                 "parameter is updated in its gradient hook, so a step's micro-batches run one "
+                                 "backward together (backward=once_per_step).")
+    with open_dict(cfg):
+        # for callers of train_step that still pass the older argument; train_step prefers `backward`
+        cfg.backward_once_per_step = cfg.backward != "per_micro_batch"
+
+
+def _run_logger(cfg: DictConfig) -> logging.Logger:
+    """torchtune's logger (this module's INFO lines are not shown), at the run's log_level already: the
+    recipe applies it after the config check."""
+    from torchtune import utils
+
+    return utils.get_logger(cfg.get("log_level"))
 
 
 def _on_cuda(cfg: DictConfig) -> bool:
@@ -807,6 +894,7 @@ def validate(cfg: DictConfig, extra_keys: Optional[Dict[str, Key]] = None,
     for key in cfg:  # `???`: a value the config leaves to the command line (configs/hf: model_dir)
         if OmegaConf.is_missing(cfg, key):
             raise ConfigError(key, f"is required: give it on the command line ({key}=...){_MISSING_HINTS.get(key, '')}")
+    backward_given = "backward" in cfg
     for key in list(cfg.keys()):
         if key not in schema:
             log.warning("Unknown config key '%s' is ignored.%s", key, _closest(key, schema))
@@ -821,6 +909,7 @@ def validate(cfg: DictConfig, extra_keys: Optional[Dict[str, Key]] = None,
                 cfg[key] = spec.default
         spec.check(key, OmegaConf.to_object(cfg[key]) if OmegaConf.is_config(cfg[key]) else cfg[key])
 
+    _resolve_backward(cfg, backward_given)
     if training:  # evaluating a checkpoint may read a folder a run is writing
         _check_not_in_use(cfg.output_dir)
     _check_validation(cfg, training)

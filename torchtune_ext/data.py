@@ -27,6 +27,7 @@ a sample, which adds no token and no loss.
 """
 
 import math
+import time
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -42,6 +43,7 @@ from torchtune_ext.config import ConfigError
 from torchtune_ext.data_check import act_on_reports, check_dataset, explain_unreadable
 from torchtune_ext.loss import CROSS_ENTROPY_IGNORE_INDEX
 from torchtune_ext.memory import MicroBatchShape
+from torchtune_ext.preflight import model_max_seq_len
 
 Sample = Dict[str, Any]
 # plan[rank][micro_batch] -> sample indices; an empty micro-batch is a label-masked stand-in
@@ -109,7 +111,8 @@ def collate_as_pack(samples: List[Sample]) -> Dict[str, torch.Tensor]:
 
 
 def build_dataset(cfg_dataset: Any, tokenizer: Any, key: str = "dataset", *,
-                  ignore_index: int = CROSS_ENTROPY_IGNORE_INDEX, data_errors: str = "warn") -> Tuple[Dataset, bool]:
+                  ignore_index: int = CROSS_ENTROPY_IGNORE_INDEX, data_errors: str = "warn",
+                  model_max_seq_len: Optional[int] = None, training: bool = False) -> Tuple[Dataset, bool]:
     """Instantiate a dataset config (one dataset or a list, concatenated) and check every sample once.
 
     Each configured dataset goes through :func:`torchtune_ext.data_check.check_dataset`:
@@ -118,13 +121,19 @@ def build_dataset(cfg_dataset: Any, tokenizer: Any, key: str = "dataset", *,
 
     Args:
         key: the config key it came from (``dataset``, ``dataset_val``), for errors.
+        model_max_seq_len: the longest input the model takes; a longer sample
+            is refused (None: not checked).
+        training: data to train on: not one trainable token in it is an error
+            (every step would be skipped), whatever ``data_errors`` says.
 
     Returns:
         (dataset, packed)
 
     Raises:
         ConfigError: if a dataset cannot be loaded, has a record that cannot be
-            read (e.g. a missing column), yields no sample, mixes packed and
+            read (e.g. a missing column), has a sample longer than
+            ``model_max_seq_len``, yields no sample (or, with ``training``, no
+            trainable token), mixes packed and
             unpacked datasets, or has data errors with ``data_errors="error"``.
     """
     cfgs = list(cfg_dataset) if isinstance(cfg_dataset, (list, ListConfig)) else [cfg_dataset]
@@ -139,8 +148,9 @@ def build_dataset(cfg_dataset: Any, tokenizer: Any, key: str = "dataset", *,
         except Exception as err:  # the datasets library raises many types for unreadable files
             raise explain_unreadable(err, item, c) from err
         reports.append(check_dataset(datasets[-1], c, item, ignore_index=ignore_index,
-                                     max_seq_len=getattr(tokenizer, "max_seq_len", None)))
-    act_on_reports(reports, data_errors)
+                                     max_seq_len=getattr(tokenizer, "max_seq_len", None),
+                                     model_max_seq_len=model_max_seq_len))
+    act_on_reports(reports, data_errors, require_tokens=training)
     dataset = datasets[0] if len(datasets) == 1 else ConcatDataset(datasets)
     if len(dataset) == 0:
         raise ConfigError(key, "the dataset yields zero samples")
@@ -304,6 +314,9 @@ class StepData:
             position; :class:`torchtune_ext.memory.MicroBatchShape`): what
             the memory guard's default limit compares a once-per-step step with
             (:class:`torchtune_ext.memory.MemoryGuard`).
+        load_seconds (float): wall time spent reading, tokenizing and collating
+            the step's samples (:meth:`StepLoader.epoch`): training waits for
+            it, as the loader runs in the training process.
     """
 
     micro_batches: List[Dict[str, Any]]
@@ -315,6 +328,7 @@ class StepData:
     padded_squared_lengths: int = 0
     real_squared_lengths: int = 0
     baseline: List[MicroBatchShape] = field(default_factory=list)
+    load_seconds: float = 0.0
 
 
 def _real_documents(sample: Sample, ignore_index: int) -> List[int]:
@@ -416,7 +430,9 @@ class StepLoader:
         for i in range(steps):
             indices = order[position:position + self.global_batch_size]
             position += len(indices)
+            start = time.perf_counter()
             step = self.load_step(indices, end_sample=position)
+            step.load_seconds = time.perf_counter() - start
             step.last_in_epoch = i == steps - 1
             yield step
 
@@ -470,14 +486,16 @@ def build_step_loader(cfg: Any, tokenizer: Any, *, seed: int, ignore_index: int,
                       dp_rank: int = 0, dp_world_size: int = 1) -> StepLoader:
     """The training :class:`StepLoader` of a validated recipe config.
 
-    Reads ``dataset``, ``data_errors``, ``collate_fn``, ``batch_size``, ``gradient_accumulation_steps``,
+    Reads ``dataset``, ``data_errors``, ``model`` (its ``max_seq_len``:
+    :func:`torchtune_ext.preflight.model_max_seq_len`), ``collate_fn``, ``batch_size``, ``gradient_accumulation_steps``,
     ``shuffle``, ``group_by_length``, ``max_tokens_per_micro_batch``, ``pack_micro_batches`` and
     ``max_steps_per_epoch``.
 
     Raises:
         ConfigError: as :func:`build_dataset` and :class:`StepLoader`.
     """
-    dataset, packed = build_dataset(cfg.dataset, tokenizer, ignore_index=ignore_index, data_errors=cfg.data_errors)
+    dataset, packed = build_dataset(cfg.dataset, tokenizer, ignore_index=ignore_index, data_errors=cfg.data_errors,
+                                    model_max_seq_len=model_max_seq_len(cfg.model), training=True)
     return StepLoader(
         dataset, make_collate(packed, tokenizer.pad_id, ignore_index,
                               _get_component_from_path(cfg.get("collate_fn") or "torchtune.data.padded_collate_sft")),

@@ -120,6 +120,12 @@ def explain_unreadable(err: BaseException, key: str, cfg_dataset: Any, index: Op
         have = f" (its columns: {', '.join(map(str, columns))})" if columns else ""
         return ConfigError(key, f"{where} has no column '{err.args[0]}'{have}; map the file's columns to the "
                            f"ones the dataset needs with {key}.column_map")
+    if any(isinstance(c, StopIteration) or "corresponds to no data" in str(c) for c in chain):
+        # the datasets library's words for a file without records (StopIteration: an empty JSON Lines file)
+        return ConfigError(key, f"{where} has no records; check that {key}.data_files is the file with the data "
+                           "(JSON: a list of records, or one record per line)")
+    if any(isinstance(c, PermissionError) for c in chain):
+        return ConfigError(key, f"{where} cannot be read (permission denied): {_short_chain(chain)}")
     if any(isinstance(c, UnicodeDecodeError) or "UTF-8" in str(c) or "utf-8" in str(c) for c in chain):
         files = cfg_dataset.get("data_files")
         for path in ([files] if isinstance(files, str) else list(files or [])):
@@ -127,8 +133,11 @@ def explain_unreadable(err: BaseException, key: str, cfg_dataset: Any, index: Op
             if bad:
                 return ConfigError(key, f"'{path}' is not valid UTF-8 ({bad}); convert it to UTF-8 "
                                    f"(e.g. iconv -f latin1 -t utf-8)")
-    detail = "; ".join(f"{type(c).__name__}: {' '.join(str(c).split())}" for c in chain if str(c))
-    return ConfigError(key, f"could not load {where}: {detail or type(err).__name__}")
+    return ConfigError(key, f"could not load {where}: {_short_chain(chain) or type(err).__name__}")
+
+
+def _short_chain(chain: Sequence[BaseException]) -> str:
+    return "; ".join(f"{type(c).__name__}: {' '.join(str(c).split())}" for c in chain if str(c))
 
 
 def _trainable(labels: Sequence[int], ignore_index: int) -> int:
@@ -154,7 +163,7 @@ def _contains_replacement(value: Any) -> bool:
 
 
 def check_dataset(dataset: Any, cfg_dataset: Any, key: str, *, ignore_index: int,
-                  max_seq_len: Optional[int]) -> DataReport:
+                  max_seq_len: Optional[int], model_max_seq_len: Optional[int] = None) -> DataReport:
     """Read every sample of one configured dataset once and count its problems.
 
     Args:
@@ -163,12 +172,15 @@ def check_dataset(dataset: Any, cfg_dataset: Any, key: str, *, ignore_index: int
         key: its config key, ``dataset`` or ``dataset[i]``.
         ignore_index: the loss's ignore index.
         max_seq_len: the tokenizer's truncation length (None: no truncation).
+        model_max_seq_len: the longest input the model takes (None: not checked).
 
     Returns:
         DataReport
 
     Raises:
-        ConfigError: a record cannot be read (missing column, undecodable).
+        ConfigError: a record cannot be read (missing column, undecodable), or
+            a sample is longer than ``model_max_seq_len`` (the model would
+            refuse it at its first forward).
     """
     report = DataReport(key, _source(cfg_dataset))
     hf = _hf_data(dataset)
@@ -212,6 +224,10 @@ def check_dataset(dataset: Any, cfg_dataset: Any, key: str, *, ignore_index: int
             except Exception as err:
                 raise explain_unreadable(err, key, cfg_dataset, index=i, columns=columns) from err
             report.num_samples += 1
+            if model_max_seq_len is not None and len(sample["tokens"]) > model_max_seq_len:
+                raise ConfigError(key, f"'{report.source}': sample {i} has {len(sample['tokens'])} tokens, more "
+                                  f"than the model's max_seq_len={model_max_seq_len}; set tokenizer.max_seq_len="
+                                  f"{model_max_seq_len} (or less) to cut samples there")
             count = _trainable(sample["labels"], ignore_index)
             report.num_tokens += count
             at_limit = max_seq_len is not None and len(sample["tokens"]) >= max_seq_len
@@ -231,13 +247,27 @@ def check_dataset(dataset: Any, cfg_dataset: Any, key: str, *, ignore_index: int
     return report
 
 
-def act_on_reports(reports: List[DataReport], data_errors: str) -> None:
+def act_on_reports(reports: List[DataReport], data_errors: str, require_tokens: bool = False) -> None:
     """Log the findings (rank 0) and, with ``data_errors='error'``, stop on a data error.
 
+    ``require_tokens``: the data is for training; if no sample of any of the
+    datasets has a trainable token, every optimizer step would be skipped
+    (nothing learned, exit 0), so that is an error whatever ``data_errors`` says.
+
     Raises:
-        ConfigError: (the dataset's key) ``data_errors`` is ``error`` and a
-            dataset has samples with no trainable token or replacement characters.
+        ConfigError: (the dataset's key) ``require_tokens`` and no trainable
+            token at all, or ``data_errors`` is ``error`` and a dataset has
+            samples with no trainable token or replacement characters.
     """
+    if require_tokens and reports and sum(r.num_tokens for r in reports) == 0:
+        report = reports[0]
+        key = report.key.split("[")[0]
+        found = "; ".join(p for r in reports for p in r.problems()) or "all labels are masked after the shift"
+        count = sum(r.num_samples for r in reports)
+        raise ConfigError(key, f"no trainable token in any of its {count} {report.unit}s ({found}): every "
+                          "optimizer step would be skipped. Raise "
+                          "tokenizer.max_seq_len if answers are cut away, and check the dataset's columns "
+                          "(column_map) and train_on_input")
     for report in reports:
         errors = report.problems(errors_only=True)
         if errors and data_errors == "error":

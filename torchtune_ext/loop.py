@@ -202,7 +202,7 @@ class TrainingRun:
                 lr = training.get_lr(self.optimizer)
                 result = train_step(
                     self.model, self.optimizer, self.loss_fn, step_data.micro_batches, device=self.device,
-                    backward_once_per_step=cfg.backward_once_per_step, clip_grad_norm=cfg.clip_grad_norm,
+                    backward=cfg.backward, clip_grad_norm=cfg.clip_grad_norm,
                     health=self._health, step=progress.step + 1, memory_guard=self._memory_guard,
                     baseline=step_data.baseline,
                 )

@@ -1,13 +1,15 @@
 """Will backward once per optimizer step fit? An estimate before each step.
 
-``backward_once_per_step`` keeps every micro-batch's autograd graph until the
+A backward once per step keeps every micro-batch's autograd graph until the
 step's one backward, so its activation memory grows with the number of
 micro-batches; the per-micro-batch backward gives the same gradients with the
 memory of one micro-batch. :class:`MemoryGuard` estimates, before any forward
 of a step, what the once-per-step backward would hold at its peak, compares
-it with the memory free on the device, and lets the step fall back to the
-per-micro-batch backward when it would not fit (one log line when the mode
-changes).
+it with the memory free on the device, and under ``backward: auto`` lets the
+step fall back to the per-micro-batch backward when it would not fit (a DEBUG
+line when the mode changes: the choice is auto's to make); under
+``backward: once_per_step`` it only warns, once, that the device may lack the
+memory.
 
 By default (``limit="torchtune"``) a step must also need no more than
 torchtune's own recipe would for the same samples: a backward per micro-batch
@@ -40,7 +42,6 @@ width, heads, LoRA rank and dropout, fp32 and bf16; ``tests/test_memory.py``
 checks the formula against such counts.
 """
 
-import logging
 import os
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple
@@ -53,7 +54,7 @@ from torchtune import utils
 from torchtune_ext.checkpoint import format_bytes
 from torchtune_ext.runtime import allocator_free_bytes
 
-# torchtune's logger: the recipes' INFO lines show, so a mode change is seen in the run's output
+# torchtune's logger: the recipes' lines show; a mode change under backward=auto is DEBUG (log_level: DEBUG)
 log = utils.get_logger("INFO")
 
 
@@ -334,8 +335,6 @@ class MemoryGuard:
             raise ValueError(f"MemoryGuard: limit must be one of {LIMITS}, got {limit!r}")
         self.device, self.limit = device, limit
         self._why_not: Optional[str] = None  # why the last decision of this rank was no
-        self._told = False  # a fallback above the torchtune limit was logged at INFO already
-        self._last_fallback: Optional[str] = None
         self._job_needs = (0, 0)  # (once per step, torchtune's recipe): the bytes of the last decision
         self._own_shortage = False  # this rank's own device lacked the memory at the last estimate
         self.headroom = HEADROOM.get(torch.device(device).type, 0.85) if headroom is None else headroom
@@ -344,6 +343,7 @@ class MemoryGuard:
         self.shape = model_shape(model, activation_dtype, optimizer)
         self.once_per_step = True  # the mode of the last decision, for the log line on a change
         self._failed_at: Optional[int] = None  # an estimate that ran out of memory (CUDA) before
+        self.warned_once_per_step = False  # backward=once_per_step: a shortage was found (and said) once
 
     def refresh(self) -> None:
         """Re-read the model shape (the optimizer state now exists after the first step)."""
@@ -455,14 +455,12 @@ class MemoryGuard:
             self._failed_at = need if self._failed_at is None else min(self._failed_at, need)
 
     def report(self, once_per_step: bool, micro_batches: Sequence[MicroBatchShape], step: int) -> None:
-        """One log line when the backward mode changes.
+        """A DEBUG line when ``backward: auto`` changes mode, with the numbers it decided on.
 
-        A fallback for lack of device memory is logged (WARNING, by the rank
-        short of memory, with its rank under several processes) at every
-        change; one because the step would need more than torchtune's recipe
-        (the default limit, which can alternate from step to step with the
-        data) only the first time (INFO, rank 0 only), later changes at DEBUG
-        (``log_level: DEBUG``).
+        Only at DEBUG (``log_level: DEBUG``): under ``auto`` the choice is the
+        one asked for, and the step's ``once_per_step`` metric records it. A
+        fallback for lack of device memory is said by the rank short of it
+        (with its rank under several processes), the others by rank 0.
         """
         if once_per_step == self.once_per_step:
             return
@@ -470,36 +468,59 @@ class MemoryGuard:
         if self.shape is None:
             return
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else None
+        several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        why = self._why_not or "peer"
         if once_per_step:
             if rank in (None, 0):
-                level = logging.INFO if self._last_fallback == "device" else logging.DEBUG
-                log.log(level, "Step %d: backward once per step again (estimated %s%s, %s available).", step,
-                        format_bytes(self._job_needs[0]), " on the largest rank" if dist.is_initialized()
-                        and dist.get_world_size() > 1 else "",
-                        _size_or_unknown(self._available(self.device)))
-            return
-        why = self._why_not or "peer"
-        # "peer": another rank's device is short; going back to once per step is then worth an INFO line too
-        self._last_fallback = "device" if why in ("device", "peer") else why
-        if why == "device":
+                log.debug("Step %d: backward=auto runs backward once per step again (estimated %s%s, %s "
+                          "available).", step, format_bytes(self._job_needs[0]),
+                          " on the largest rank" if several else "", _size_or_unknown(self._available(self.device)))
+        elif why == "device":
             need = step_peak_bytes(self.shape, micro_batches, once_per_step=True)  # this rank's own
             where = "" if rank is None else f" on rank {rank}"
-            log.warning("Step %d: backward once per step would need about %s, %s available%s: running "
-                        "backward per micro-batch (same gradients) while it does not fit.",
-                        step, format_bytes(need), _size_or_unknown(self._available(self.device)), where)
+            log.debug("Step %d: backward=auto runs backward per micro-batch (same gradients): once per step "
+                      "would need about %s, %s available%s.", step, format_bytes(need),
+                      _size_or_unknown(self._available(self.device)), where)
         elif rank in (None, 0):
-            level = logging.DEBUG if self._told else logging.INFO
             if why == "torchtune":
                 once_bytes, torchtune_bytes = self._job_needs  # the largest rank's, under several
-                log.log(level, "Step %d: backward once per step would need about %s, more than torchtune's "
-                        "recipe needs for the same samples (about %s, backward per padded micro-batch): "
-                        "running backward per micro-batch (same gradients) for such steps; "
-                        "once_per_step_memory_limit=device lifts this bound.", step, format_bytes(once_bytes),
-                        format_bytes(torchtune_bytes))
-                self._told = True
+                log.debug("Step %d: backward=auto runs backward per micro-batch (same gradients): once per step "
+                          "would need about %s, more than torchtune's recipe needs for the same samples (about "
+                          "%s, backward per padded micro-batch); once_per_step_memory_limit=device lifts this "
+                          "bound.", step, format_bytes(once_bytes), format_bytes(torchtune_bytes))
             else:
-                log.info("Step %d: another rank lacks the memory for backward once per step: running "
-                         "backward per micro-batch (same gradients) on every rank.", step)
+                log.debug("Step %d: backward=auto runs backward per micro-batch (same gradients) on every rank: "
+                          "another rank lacks the memory for once per step.", step)
+
+    def warn_once_per_step(self, needs: Sequence[int], micro_batches: Sequence[MicroBatchShape], step: int) -> None:
+        """``backward: once_per_step``: say once if a step may not fit the device (it still runs once per step).
+
+        Args:
+            needs: the 5 integers of :meth:`step_needs`, or their element-wise
+                maximum over the data-parallel ranks (the same on every rank).
+            micro_batches: this rank's micro-batches of the step.
+            step: the optimizer step, for the message.
+
+        The rank whose own device is short says so, with its rank under
+        several processes; afterwards :attr:`warned_once_per_step` is set on
+        every rank (from ``needs``, which all ranks share), so that all stop
+        estimating at the same step.
+        """
+        if len(needs) != 5:
+            raise ValueError(f"MemoryGuard.warn_once_per_step: expected the 5 values of step_needs, got {len(needs)}")
+        if not int(needs[0]) or self.shape is None:
+            return
+        self.warned_once_per_step = True
+        if not self._own_shortage:
+            return
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else None
+        where = "" if rank is None else f" on rank {rank}"
+        need = step_peak_bytes(self.shape, micro_batches, once_per_step=True)
+        log.warning("Step %d: backward=once_per_step needs about %s (estimated), %s available%s (a step plans "
+                    "with at most %d%% of it): it may run out of memory. It still runs once per step, as asked; "
+                    "backward=auto runs such steps per micro-batch (same gradients). Said once.", step,
+                    format_bytes(need), _size_or_unknown(self._available(self.device)), where,
+                    round(self.headroom * 100))
 
 
 def _size_or_unknown(value: Optional[int]) -> str:

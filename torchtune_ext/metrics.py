@@ -30,7 +30,7 @@ from torchtune_ext.checkpoint import write_failed
 from torchtune_ext.config import ConfigError, enabled
 from torchtune_ext.flops import ModelFlops
 from torchtune_ext.launch import EXIT_IO_ERROR
-from torchtune_ext.step import StepResult
+from torchtune_ext.step import StepResult, waiting_shares
 
 log = utils.get_logger("INFO")  # torchtune's: the recipes show its INFO lines
 
@@ -198,7 +198,10 @@ def step_record(
     (cumulative), ``tokens_seen`` (cumulative ``num_tokens`` of the steps that
     updated the model: an x axis comparable across batch sizes),
     ``once_per_step`` (1: the step's gradient came from one backward, 0: from
-    one per micro-batch; absent when no backward ran), and with
+    one per micro-batch; absent when no backward ran), ``data_seconds``,
+    ``data_wait_fraction`` and ``rank_wait_fraction`` (the shares of the
+    step's wall time, data loading included, spent loading its samples and
+    waiting for the other ranks: :func:`torchtune_ext.step.waiting_shares`), and with
     ``dp_world_size > 1`` also ``dp_world_size`` and ``tokens_per_second_per_device``.
 
     With ``data`` (this rank's
@@ -223,6 +226,8 @@ def step_record(
         tokens_per_second=result.num_tokens / step_seconds if step_seconds > 0 else 0.0,
         step_seconds=step_seconds,
     )
+    # why a step is slow: the shares of its wall time spent loading its data and waiting for other ranks
+    record.update(waiting_shares(result, step_seconds, getattr(data, "load_seconds", 0.0)))
     if log_peak_memory:
         record["peak_memory_gib"] = peak_memory_gib(device)
     record.update(skipped_steps=skipped_steps, tokens_seen=tokens_seen)
@@ -594,10 +599,16 @@ def last_step_line(record: Mapping[str, Any]) -> str:
 
 
 def progress_description(record: Mapping[str, Any]) -> str:
-    """Short text for the progress bar: step, loss, tokens/sec."""
+    """Short text for the progress bar: step, loss, tokens/sec, and the shares of the step spent waiting
+    for its data and (several ranks) for the other ranks."""
     loss = record.get("loss")
     loss_text = f"{loss:.4f}" if loss is not None else "skipped"
-    return f"step {record['step']} | loss {loss_text} | {record['tokens_per_second']:.0f} tok/s"
+    text = f"step {record['step']} | loss {loss_text} | {record['tokens_per_second']:.0f} tok/s"
+    if "data_wait_fraction" in record:  # what the step waited for, besides computing
+        text += f" | waiting: data {record['data_wait_fraction']:.0%}"
+        if record.get("dp_world_size", 1) > 1:
+            text += f", ranks {record['rank_wait_fraction']:.0%}"
+    return text
 
 
 __all__ = [

@@ -12,7 +12,9 @@ cheaply:
 2. every argument given in the config is one the callable accepts, and a
    string is not given where the signature wants a number;
 3. the model builds on the meta device (no memory, no weights): builder
-   errors, and an adapter on a tied output projection;
+   errors, an adapter on a tied output projection, and sequences longer than
+   the model takes (``tokenizer.max_seq_len``, a packed row's budget: torchtune's
+   decoder would refuse them only at the first forward);
 4. the optimizer and the LR scheduler are built around one dummy parameter
    (on the training device): their own value checks (``lr=-1``) run;
 5. the metric logger's ``log_dir`` can be created, and a W&B logger's run
@@ -30,7 +32,7 @@ Every problem is a :class:`~torchtune_ext.config.ConfigError` naming the key.
 import difflib
 import importlib
 import inspect
-from typing import Any, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -144,7 +146,8 @@ def check_components(cfg: DictConfig, device: torch.device) -> None:
             build_loss(node, log_replacement=False)
         elif callable(target):
             _check_arguments(key, target, node)
-    _check_model(cfg.model, cfg.get("max_tokens_per_micro_batch") if cfg.get("pack_micro_batches") else None)
+    _check_model(cfg.model, cfg.get("max_tokens_per_micro_batch") if cfg.get("pack_micro_batches") else None,
+                 cfg.tokenizer.get("max_seq_len"))
     _check_optimizer(cfg, device)
     _check_metric_logger(cfg)
     _check_profiler(cfg)
@@ -191,15 +194,54 @@ def _check_profiler(cfg: DictConfig) -> None:
     _check_arguments("profiler", resolve_component(PROFILER_COMPONENT), profiler, PROFILER_COMPONENT)
 
 
-def _check_model(cfg_model: DictConfig, packed_row_tokens: Optional[int] = None) -> None:
-    """``packed_row_tokens``: the longest row ``pack_micro_batches`` may build (its budget)."""
+def _meta_model(cfg_model: DictConfig) -> torch.nn.Module:
+    """The model a ``model`` config builds, on the meta device (no memory, no weights)."""
+    with torch.device("meta"):
+        return tt_config.instantiate(cfg_model)
+
+
+_MODEL_LIMITS: Dict[str, Optional[int]] = {}
+
+
+def model_max_seq_len(cfg_model: DictConfig) -> Optional[int]:
+    """The longest input, in tokens, the model of a ``model`` config takes (its ``max_seq_len``).
+
+    Read off the model built on the meta device, so a builder's own default
+    counts when the config leaves the argument out; remembered per config.
+
+    Returns:
+        int, or None if the model does not say (or cannot be built: the
+        component check reports that).
+    """
+    key = OmegaConf.to_yaml(cfg_model, resolve=True)
+    if key not in _MODEL_LIMITS:
+        try:
+            _remember_limit(cfg_model, _meta_model(cfg_model))
+        except Exception:  # noqa: BLE001 -- check_components names the builder's error
+            _MODEL_LIMITS[key] = None
+    return _MODEL_LIMITS[key]
+
+
+def _remember_limit(cfg_model: DictConfig, model: torch.nn.Module) -> Optional[int]:
+    limit = getattr(model, "max_seq_len", None)
+    if limit is None:  # a transformers model: its config's position limit
+        config = getattr(model, "config", None)
+        limit = getattr(config, "max_position_embeddings", None) if config is not None else None
+    limit = limit if isinstance(limit, int) and not isinstance(limit, bool) else None
+    _MODEL_LIMITS[OmegaConf.to_yaml(cfg_model, resolve=True)] = limit
+    return limit
+
+
+def _check_model(cfg_model: DictConfig, packed_row_tokens: Optional[int] = None,
+                 tokenizer_max_seq_len: Optional[int] = None) -> None:
+    """``packed_row_tokens``: the longest row ``pack_micro_batches`` may build (its budget);
+    ``tokenizer_max_seq_len``: the length samples (and packs) are cut at."""
     path = cfg_model._component_
     adapter_on_output = bool(cfg_model.get("apply_lora_to_output", False))
     tied = f"an adapter on the output projection is not possible: in {path} it is the token embedding " \
            "(tied weights). Set model.apply_lora_to_output=false"
     try:
-        with torch.device("meta"):
-            model = tt_config.instantiate(cfg_model)
+        model = _meta_model(cfg_model)
     except UserError:
         raise  # the builder's own line names its key (torchtune_ext.hf: model.path, model.attn_implementation)
     except Exception as err:
@@ -213,8 +255,13 @@ def _check_model(cfg_model: DictConfig, packed_row_tokens: Optional[int] = None)
             raise ConfigError("model.apply_lora_to_output", f"{path} does not support it ({_short(err)}); "
                               "set model.apply_lora_to_output=false") from None
         raise ConfigError("model", f"{path} cannot build this model: {_short(err)}") from None
-    limit = getattr(model, "max_seq_len", None)
-    if packed_row_tokens and isinstance(limit, int) and packed_row_tokens > limit:
+    limit = _remember_limit(cfg_model, model)
+    if limit is not None and isinstance(tokenizer_max_seq_len, int) and tokenizer_max_seq_len > limit:
+        # torchtune's decoder refuses a longer input at the first forward, after the logs and W&B started
+        raise ConfigError("tokenizer.max_seq_len", f"{tokenizer_max_seq_len} is more than the model's "
+                          f"max_seq_len={limit} ({path}): samples and packs that long would not fit the model; "
+                          f"set tokenizer.max_seq_len={limit} or less")
+    if packed_row_tokens and limit is not None and packed_row_tokens > limit:
         # torchtune's decoder refuses longer inputs at the first forward
         raise ConfigError("max_tokens_per_micro_batch", f"{packed_row_tokens} tokens per packed row "
                           f"(pack_micro_batches=true) is more than the model's max_seq_len={limit}; "

@@ -14,14 +14,18 @@ Order of work, the same in both backward modes:
    (:mod:`torchtune_ext.health`: non-finite values, a zero gradient, loss
    spikes), optimizer step, a check that the parameters are still finite.
 
-``backward_once_per_step=True`` keeps the graphs of all micro-batches and
-calls backward once on the accumulated sum (the loss recomputes its output
-projection in backward, so no graph keeps vocabulary-wide logits; a
-:class:`torchtune_ext.memory.MemoryGuard` switches a step that would not fit
-to the other mode); ``False`` calls backward after each micro-batch
-(activation memory independent of the number of micro-batches) and, under
-FSDP2, syncs gradients only on the last one. Both produce the same gradients
-up to floating-point summation order.
+``backward`` (the config key of the same name) says how the micro-batches
+are backpropagated; all three give the same gradients up to floating-point
+summation order:
+
+* ``"once_per_step"`` keeps the graphs of all micro-batches and calls
+  backward once on the accumulated sum (the loss recomputes its output
+  projection in backward, so no graph keeps vocabulary-wide logits);
+* ``"per_micro_batch"`` calls backward after each micro-batch (activation
+  memory independent of the number of micro-batches) and, under FSDP2, syncs
+  gradients only on the last one;
+* ``"auto"`` lets a :class:`torchtune_ext.memory.MemoryGuard` choose per step:
+  once per step where it fits its limit, else per micro-batch.
 
 Data parallelism: each rank's loss is its *local* sum divided by the
 *global* token count, so the gradient of the step loss is the SUM of the
@@ -29,10 +33,12 @@ ranks' gradients. The distributed recipes set FSDP's gradient divide factor
 to 1 so that FSDP sums instead of averaging.
 """
 
+import contextlib
 import logging
+import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -40,6 +46,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from torchtune_ext.accounting import TokenTally, TokenTotals, dp_is_active
+from torchtune_ext.config import BACKWARD_MODES, enabled
 from torchtune_ext.health import NonFiniteError, StepHealth, TrainingHealthError  # noqa: F401 (re-exported)
 from torchtune_ext.loss import SummedCrossEntropyLoss, TokenSums, shift_labels
 from torchtune_ext.memory import MemoryGuard, MicroBatchShape, shapes_of
@@ -71,6 +78,12 @@ class StepResult:
         once_per_step (bool | None): the step's gradient came from one
             backward (True) or one per micro-batch (False); None when no
             backward ran.
+        wait_seconds (float): wall time this rank spent in the step's own
+            collectives (the token count before any forward, the memory
+            guard's figures, the loss sums, the gradient norm): time waiting
+            for the slowest rank to get there, since each moves a few numbers
+            only. FSDP's gathers and reduce-scatters are not included. 0 with
+            one process.
     """
 
     loss: Optional[float]
@@ -80,6 +93,59 @@ class StepResult:
     skipped: Optional[str] = None
     metrics: Dict[str, float] = field(default_factory=dict)
     once_per_step: Optional[bool] = None
+    wait_seconds: float = 0.0
+
+
+class RankWait:
+    """Adds up the wall time of a step's blocking collectives on this rank (:attr:`StepResult.wait_seconds`).
+
+    Args:
+        device: the training device; on CUDA the queued work is finished
+            before and after each collective, so that only the collective
+            (and the wait for the other ranks in it) is timed.
+        active: False with one process: nothing is measured.
+    """
+
+    def __init__(self, device: torch.device, active: bool):
+        self.device, self.active, self.seconds = device, active, 0.0
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @contextlib.contextmanager
+    def measure(self) -> Iterator[None]:
+        if not self.active:
+            yield
+            return
+        self._sync()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._sync()
+            self.seconds += time.perf_counter() - start
+
+
+def waiting_shares(result: StepResult, step_seconds: float, data_seconds: float = 0.0) -> Dict[str, float]:
+    """Where a step's wall time went besides computing: the step record's waiting keys.
+
+    The wall time is ``data_seconds + step_seconds`` (loading the step's
+    samples, then the step itself).
+
+    Returns:
+        dict: ``data_seconds``; ``data_wait_fraction``, the share of it spent
+        loading the data (:attr:`torchtune_ext.data.StepData.load_seconds`);
+        ``rank_wait_fraction``, the share spent waiting for the other ranks in
+        the step's collectives (:attr:`StepResult.wait_seconds`). Shares are 0
+        when no time was measured.
+    """
+    total = data_seconds + step_seconds
+    return {
+        "data_seconds": data_seconds,
+        "data_wait_fraction": data_seconds / total if total > 0 else 0.0,
+        "rank_wait_fraction": result.wait_seconds / total if total > 0 else 0.0,
+    }
 
 
 def build_lr_scheduler(cfg_lr_scheduler: Any, optimizer: torch.optim.Optimizer, num_training_steps: int):
@@ -90,8 +156,6 @@ def build_lr_scheduler(cfg_lr_scheduler: Any, optimizer: torch.optim.Optimizer, 
     on the command line).
     """
     from torchtune import config as tt_config
-
-    from torchtune_ext.config import enabled
 
     if enabled(cfg_lr_scheduler) is None:
         return None
@@ -183,32 +247,58 @@ def _largest_over_ranks(values: Sequence[int], device: torch.device, dp_group) -
     return [int(v) for v in largest.tolist()]
 
 
+def backward_mode(backward: Optional[str] = None, backward_once_per_step: Optional[bool] = None) -> str:
+    """The backward mode from the ``backward`` argument, or else from the older boolean.
+
+    ``backward_once_per_step`` True reads as ``"auto"`` (without a memory guard
+    that is once per step), False as ``"per_micro_batch"``; neither given:
+    ``"auto"``.
+
+    Raises:
+        ValueError: ``backward`` is not one of :data:`torchtune_ext.config.BACKWARD_MODES`.
+    """
+    if backward is None:
+        return "per_micro_batch" if backward_once_per_step is False else "auto"
+    if backward not in BACKWARD_MODES:
+        raise ValueError(f"backward must be one of {', '.join(BACKWARD_MODES)}, got {backward!r}")
+    return backward
+
+
 def forward_backward(
     model: nn.Module,
     loss_fn: SummedCrossEntropyLoss,
     micro_batches: Sequence[MicroBatch],
     *,
     device: torch.device,
-    backward_once_per_step: bool = True,
+    backward: Optional[str] = None,
     dp_group=None,
     memory_guard: Optional[MemoryGuard] = None,
     baseline: Optional[Sequence[MicroBatchShape]] = None,
     step: int = 0,
+    backward_once_per_step: Optional[bool] = None,
+    rank_wait: Optional[RankWait] = None,
 ) -> TokenTotals:
     """Accumulate the normalized gradient of one optimizer step.
 
-    With ``backward_once_per_step`` and more than one micro-batch, the step
-    keeps every micro-batch's graph until one backward; the loss then
-    recomputes its output projection in backward so that what each graph
-    keeps is O(tokens x hidden), not O(tokens x vocab). If ``memory_guard``
-    estimates that even so the step would not fit in the memory available,
-    the step runs backward per micro-batch instead (same gradients; the
-    decision is the same on every rank; one log line when the mode changes).
-    In a single process, an out-of-memory error (``torch.OutOfMemoryError``,
-    raised by CUDA) during the once-per-step attempt is caught: gradients are
-    dropped, the RNG state is restored, and the step is redone per
-    micro-batch (logged). With several ranks it is not caught: the other
-    ranks would be waiting in a collective.
+    Once per step (``backward`` ``"once_per_step"``, or ``"auto"`` where the
+    guard allows it) with more than one micro-batch, the step keeps every
+    micro-batch's graph until one backward; the loss then recomputes its
+    output projection in backward so that what each graph keeps is
+    O(tokens x hidden), not O(tokens x vocab).
+
+    ``"auto"``: if ``memory_guard`` estimates that the step needs more than
+    its limit (torchtune's recipe's need for the same samples, or the free
+    memory), the step runs backward per micro-batch instead (same gradients;
+    the decision is the same on every rank; logged at DEBUG only, as it is
+    the mode's own). In a single process, an out-of-memory error
+    (``torch.OutOfMemoryError``, raised by CUDA) during the once-per-step
+    attempt is caught: gradients are dropped, the RNG state is restored, and
+    the step is redone per micro-batch (a warning). With several ranks it is
+    not caught: the other ranks would be waiting in a collective.
+
+    ``"once_per_step"``: always, and neither limit applies; if the guard
+    estimates that the device lacks the memory, one warning says so, once per
+    run (from each rank short of it). An out-of-memory error is not caught.
 
     Args:
         model: torchtune ``TransformerDecoder`` (possibly LoRA, FSDP2-sharded);
@@ -217,51 +307,66 @@ def forward_backward(
         micro_batches: dicts from a collator (see :func:`prepare_micro_batch`).
             Not modified.
         device: where the model lives.
-        backward_once_per_step: one backward on the accumulated sum (True) or
-            one backward per micro-batch (False).
+        backward: ``"auto"`` (default), ``"once_per_step"`` or ``"per_micro_batch"``
+            (see above and the module docstring).
         dp_group: data-parallel process group (None: default group, or none).
-        memory_guard: decides whether once per step fits (None: always try).
+        memory_guard: decides whether once per step fits under ``"auto"``, and
+            warns under ``"once_per_step"`` (None: auto always tries once per step).
         baseline: this rank's micro-batches as torchtune's recipe would run
             the step (:attr:`torchtune_ext.data.StepData.baseline`), for the
             guard's default limit; None: the device's memory alone decides.
         step (int): optimizer step number, for log lines.
+        backward_once_per_step (bool, optional): the older argument, used when
+            ``backward`` is None (:func:`backward_mode`).
+        rank_wait (RankWait, optional): adds the time of the step's collectives.
 
     Returns:
         TokenTotals: the step's global and local trainable token counts and
         the global sums of the loss (nats) and the loss's metrics. If
         ``num_tokens`` is 0 no forward or backward ran (on any rank: the count
         is global) and every sum is 0.
+
+    Raises:
+        ValueError: an unknown ``backward``.
     """
+    mode = backward_mode(backward, backward_once_per_step)
+    rank_wait = rank_wait or RankWait(device, active=False)
     tally = TokenTally(loss_fn.metric_names, device, loss_fn.ignore_index)
     prepared, counts = [], []
     for micro_batch in micro_batches:
         inputs, labels = prepare_micro_batch(micro_batch, device, loss_fn.ignore_index)
         counts.append(tally.count(labels))
         prepared.append((inputs, labels))
-    num_tokens = tally.global_num_tokens(dp_group)
+    with rank_wait.measure():
+        num_tokens = tally.global_num_tokens(dp_group)
     if num_tokens == 0:
         return TokenTotals(0, 0, dict.fromkeys(tally.names, 0.0))
 
-    # One micro-batch: its graph waits for no other, both modes are the same.
-    once = backward_once_per_step and len(prepared) > 1
+    # One micro-batch: its graph waits for no other, all modes are the same.
+    once = mode != "per_micro_batch" and len(prepared) > 1
     defer_sync = True  # the user's per-micro-batch mode defers FSDP2's sync (README: Two backward modes)
-    if once and memory_guard is not None:
+    if once and memory_guard is not None and (mode == "auto" or not memory_guard.warned_once_per_step):
         shapes = shapes_of(prepared, counts)
         # every rank decides on the same figures: the largest rank's needs bound the step
-        needs = _largest_over_ranks(memory_guard.step_needs(shapes, baseline), device, dp_group)
-        once, defer_sync = memory_guard.decide_step(needs)
-        memory_guard.report(once, shapes, step)
+        needs = memory_guard.step_needs(shapes, baseline)
+        with rank_wait.measure():
+            needs = _largest_over_ranks(needs, device, dp_group)
+        if mode == "auto":
+            once, defer_sync = memory_guard.decide_step(needs)
+            memory_guard.report(once, shapes, step)
+        else:
+            memory_guard.warn_once_per_step(needs, shapes, step)
     if not once:
         _backward_per_micro_batch(model, loss_fn, prepared, tally, num_tokens, defer_sync=defer_sync)
-        return _with_mode(tally.totals(dp_group), len(prepared) == 1)
-    if dp_is_active(dp_group):
+        return _with_mode(_totals(tally, dp_group, rank_wait), len(prepared) == 1)
+    if dp_is_active(dp_group) or mode == "once_per_step":  # asked for: an out-of-memory error stands
         _backward_once(model, loss_fn, prepared, tally, num_tokens)
-        return _with_mode(tally.totals(dp_group), True)
+        return _with_mode(_totals(tally, dp_group, rank_wait), True)
 
     rng = _rng_state(device)
     try:
         _backward_once(model, loss_fn, prepared, tally, num_tokens)
-        return _with_mode(tally.totals(dp_group), True)
+        return _with_mode(_totals(tally, dp_group, rank_wait), True)
     except torch.OutOfMemoryError:
         pass  # handled below, once the exception (and the graph its traceback holds) is gone
     log.warning("Optimizer step %d: out of memory with backward once per step; redoing the step with a "
@@ -278,7 +383,12 @@ def forward_backward(
     for _inputs, labels in prepared:
         tally.count(labels)
     _backward_per_micro_batch(model, loss_fn, prepared, tally, num_tokens)
-    return _with_mode(tally.totals(dp_group), False)
+    return _with_mode(_totals(tally, dp_group, rank_wait), False)
+
+
+def _totals(tally: TokenTally, dp_group, rank_wait: RankWait) -> TokenTotals:
+    with rank_wait.measure():
+        return tally.totals(dp_group)
 
 
 def _with_mode(totals: TokenTotals, once_per_step: bool) -> TokenTotals:
@@ -322,7 +432,8 @@ def _sum_of_squares(tensor: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def grad_norm_and_clip(parameters: Iterable[torch.Tensor], max_norm: Optional[float]) -> torch.Tensor:
+def grad_norm_and_clip(parameters: Iterable[torch.Tensor], max_norm: Optional[float],
+                       rank_wait: Optional[RankWait] = None) -> torch.Tensor:
     """Total L2 norm of all gradients (all shards), then clip in place if asked.
 
     The squares are summed in blocks and then in float64 (:func:`_sum_of_squares`):
@@ -336,6 +447,7 @@ def grad_norm_and_clip(parameters: Iterable[torch.Tensor], max_norm: Optional[fl
         parameters: trainable parameters; those without ``.grad`` are ignored.
         max_norm (float, optional): clip so the total norm is at most this;
             None or <= 0 disables clipping (the norm is still computed).
+        rank_wait (RankWait, optional): adds the time of the all-reduce.
 
     Returns:
         torch.Tensor: float64 scalar on the gradients' device, the norm
@@ -353,8 +465,9 @@ def grad_norm_and_clip(parameters: Iterable[torch.Tensor], max_norm: Optional[fl
             sharded += _sum_of_squares(grad.to_local())
         else:  # a whole tensor on every rank: count it once
             replicated += _sum_of_squares(grad)
-    for group in groups:
-        dist.all_reduce(sharded, op=dist.ReduceOp.SUM, group=group)
+    with rank_wait.measure() if rank_wait is not None and groups else contextlib.nullcontext():
+        for group in groups:
+            dist.all_reduce(sharded, op=dist.ReduceOp.SUM, group=group)
     norm = (sharded + replicated).sqrt()
     if max_norm is not None and max_norm > 0:
         scale = max_norm / (norm.item() + 1e-6)
@@ -370,13 +483,14 @@ def train_step(
     micro_batches: Sequence[MicroBatch],
     *,
     device: torch.device,
-    backward_once_per_step: bool = True,
+    backward: Optional[str] = None,
     clip_grad_norm: Optional[float] = None,
     health: Optional[StepHealth] = None,
     step: int = 0,
     dp_group=None,
     memory_guard: Optional[MemoryGuard] = None,
     baseline: Optional[Sequence[MicroBatchShape]] = None,
+    backward_once_per_step: Optional[bool] = None,
 ) -> StepResult:
     """Run one optimizer step over ``micro_batches`` (see the module docstring).
 
@@ -386,10 +500,12 @@ def train_step(
 
     With an :class:`~torchtune_ext.optim_in_bwd.OptimizerInBackward` the
     parameters are updated by its hooks during the step's single backward
-    (``backward_once_per_step`` is implied), ``grad_norm`` is what the hooks
+    (``backward="once_per_step"`` is implied), ``grad_norm`` is what the hooks
     summed, and ``clip_grad_norm`` must be None.
 
     Args:
+        backward (str, optional): ``"auto"`` (default), ``"once_per_step"`` or
+            ``"per_micro_batch"``: see :func:`forward_backward`.
         step (int): 1-based optimizer step number, for messages.
         clip_grad_norm (float, optional): max total gradient norm; None: no clipping.
         health (StepHealth, optional): the run's health checks
@@ -399,6 +515,8 @@ def train_step(
         memory_guard (MemoryGuard, optional): falls back to a backward per
             micro-batch when once per step would not fit (see :func:`forward_backward`).
         baseline: see :func:`forward_backward`.
+        backward_once_per_step (bool, optional): the older argument, used when
+            ``backward`` is None (:func:`backward_mode`).
         Other arguments as in :func:`forward_backward`.
 
     Returns:
@@ -417,19 +535,21 @@ def train_step(
         if clip_grad_norm is not None:
             raise ValueError("clip_grad_norm cannot be used with an optimizer in backward")
         optimizer.start_step()
+    mode = backward_mode(backward, backward_once_per_step)
+    rank_wait = RankWait(device, active=dp_is_active(dp_group))
     totals = forward_backward(
         model, loss_fn, micro_batches, device=device,
         # in backward: one backward per step, so each hook sees the parameter's whole step gradient
         # (no fallback to a backward per micro-batch either)
-        backward_once_per_step=backward_once_per_step or in_backward, dp_group=dp_group,
-        memory_guard=None if in_backward else memory_guard, baseline=baseline, step=step,
+        backward="once_per_step" if in_backward else mode, dp_group=dp_group,
+        memory_guard=None if in_backward else memory_guard, baseline=baseline, step=step, rank_wait=rank_wait,
     )
     num_tokens, local_num_tokens = totals.num_tokens, totals.local_num_tokens
     if num_tokens == 0:
         optimizer.zero_grad(set_to_none=True)
         health.empty(step)
         log.warning("Optimizer step %d skipped: no trainable token in any of its micro-batches.", step)
-        return StepResult(None, 0, 0, None, skipped="empty")
+        return StepResult(None, 0, 0, None, skipped="empty", wait_seconds=rank_wait.seconds)
 
     means = totals.means()
     loss = means.pop("loss")
@@ -437,7 +557,7 @@ def train_step(
     if in_backward:  # the hooks updated the parameters in backward and summed their gradients' squares
         grad_norm = optimizer.grad_norm().item()
     else:
-        grad_norm = grad_norm_and_clip(params, clip_grad_norm).item()
+        grad_norm = grad_norm_and_clip(params, clip_grad_norm, rank_wait).item()
     try:
         skip = health.before_update(step, loss, grad_norm, num_tokens)
     except TrainingHealthError:
@@ -447,9 +567,10 @@ def train_step(
     if skip:
         optimizer.zero_grad(set_to_none=True)
         return StepResult(loss, num_tokens, local_num_tokens, grad_norm, skipped="non-finite", metrics=means,
-                          once_per_step=totals.once_per_step)
+                          once_per_step=totals.once_per_step, wait_seconds=rank_wait.seconds)
 
     optimizer.step()  # in backward: the hooks updated already; this finds no gradient
     optimizer.zero_grad(set_to_none=True)
     health.after_update(step, params, loss, grad_norm)
-    return StepResult(loss, num_tokens, local_num_tokens, grad_norm, metrics=means, once_per_step=totals.once_per_step)
+    return StepResult(loss, num_tokens, local_num_tokens, grad_norm, metrics=means, once_per_step=totals.once_per_step,
+                      wait_seconds=rank_wait.seconds)

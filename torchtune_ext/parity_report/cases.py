@@ -182,6 +182,9 @@ def case_overrides(
         "save_final_checkpoint=false",
         "save_every_n_steps=null",
         "log_every_n_steps=1",
+        # training steps only: one metrics record per step (the shipped configs validate before and after)
+        "run_val_every_n_steps=null",
+        "run_val_at_start=false",
     ]
     if wandb_group is not None:
         overrides += [f"metric_logger.group={wandb_group}", f"metric_logger.name={case.name}"]
