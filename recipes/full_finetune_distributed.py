@@ -21,11 +21,11 @@ import torch
 from omegaconf import DictConfig
 from torchtune import config, training
 
-from torchtune_ext import distributed, launch
+from torchtune_ext import launch
 from torchtune_ext.checkpoint import expected_checkpoint_bytes
 from torchtune_ext.config import DISTRIBUTED_KEYS
 from torchtune_ext.loop import TrainingRun, run_recipe
-from torchtune_ext.models import build_model, shard_model
+from torchtune_ext.models import build_model, load_sharded_model_state, shard_model
 from torchtune_ext.runtime import wrap_activations
 from torchtune_ext.upstream import describe_model
 
@@ -60,9 +60,8 @@ class FullFinetuneRecipeDistributed:
             training.compile_model(model)
         shard_model(model, run.device, cpu_offload=cfg.fsdp_cpu_offload,
                     reshard_after_forward=cfg.fsdp_reshard_after_forward, custom_sharded_layers=cfg.custom_sharded_layers)
-        distributed.load_full_model_state_dict(model, state_dict, run.device, cpu_offload=cfg.fsdp_cpu_offload,
-                                               source=source or cfg.checkpointer.checkpoint_dir,
-                                               model_name=describe_model(cfg))
+        load_sharded_model_state(model, state_dict, run.device, cpu_offload=cfg.fsdp_cpu_offload,
+                                 source=source or cfg.checkpointer.checkpoint_dir, model_name=describe_model(cfg))
         training.validate_expected_param_dtype(model.named_parameters(), dtype=run.dtype)
         run.loss_fn.take_output_projection(model)  # the model returns hidden states; the loss projects
         run.log_model(model)

@@ -29,12 +29,12 @@ from omegaconf import DictConfig
 from torchtune import config, training
 from torchtune.modules.peft import set_trainable_params
 
-from torchtune_ext import distributed, launch
+from torchtune_ext import launch
 from torchtune_ext.checkpoint import expected_checkpoint_bytes
 from torchtune_ext.config import DISTRIBUTED_KEYS, LORA_KEYS
 from torchtune_ext.lora import load_lora_weights, lora_checkpoint_state
 from torchtune_ext.loop import TrainingRun, run_recipe
-from torchtune_ext.models import adapter_params, build_model, initialize_adapters, shard_model
+from torchtune_ext.models import adapter_params, build_model, initialize_adapters, load_sharded_model_state, shard_model
 from torchtune_ext.runtime import wrap_activations
 from torchtune_ext.upstream import describe_model
 
@@ -74,7 +74,7 @@ class LoRAFinetuneRecipeDistributed:
             training.compile_model(model)
         shard_model(model, run.device, cpu_offload=cfg.fsdp_cpu_offload,
                     reshard_after_forward=cfg.fsdp_reshard_after_forward, custom_sharded_layers=cfg.custom_sharded_layers)
-        load = partial(distributed.load_full_model_state_dict, model, device=run.device,
+        load = partial(load_sharded_model_state, model, device=run.device,
                        cpu_offload=cfg.fsdp_cpu_offload, strict=False)
         load_lora_weights(model, cfg.model, base_state, partial(
             load, source=cfg.checkpointer.checkpoint_dir, model_name=describe_model(cfg)), adapter_state, load,
