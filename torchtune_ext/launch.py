@@ -31,13 +31,12 @@ with such a line too.
 
 Anything else is a bug or a crash and keeps its traceback.
 
-The recipes' ``recipe_main`` is wrapped as::
+The recipes' ``recipe_main`` is torchtune's ``@config.parse`` function, run as::
 
-    @launch.exit_on_user_error
-    @config.parse
-    def recipe_main(cfg): ...
+    if __name__ == "__main__":
+        launch.run_main(recipe_main)
 
-so the wrapper sees the command line *before* torchtune's ``config.parse``
+:func:`run_main` wraps it in :func:`exit_on_user_error`, which sees the command line *before* torchtune's ``config.parse``
 reads it: a missing config file, a YAML syntax error (with its line and
 column), a flag other than ``--config`` or an override that torchtune cannot
 apply become one line here instead of a traceback from the parser.
@@ -296,6 +295,9 @@ def report_and_exit(message: str, status: int) -> None:
 def run_main(recipe_main: Callable[[], Any]) -> None:
     """A recipe file's ``__main__``: run ``recipe_main`` and exit with its status, also on a late signal.
 
+    ``recipe_main`` is run through :func:`exit_on_user_error` (unless it is
+    wrapped already), so bad input ends it with one line and its exit status.
+
     Once the status is decided (0, or a reported 2, 3, 74 or 75), the
     interpreter still has to shut down: W&B's exit hooks can take seconds, and
     the signal handlers of :class:`torchtune_ext.preemption.GracefulStop` are
@@ -316,6 +318,8 @@ def run_main(recipe_main: Callable[[], Any]) -> None:
             _ignore_signals_while_exiting()  # the interpreter's finalization keeps SIG_IGN
 
     atexit.register(ignore_late_signals)
+    if not getattr(recipe_main, "reports_user_errors", False):
+        recipe_main = exit_on_user_error(recipe_main)
     try:
         status = recipe_main()
     except SystemExit as done:  # report_and_exit's
@@ -456,6 +460,7 @@ def exit_on_user_error(recipe_main: Callable[..., Any]) -> Callable[..., Any]:
                 raise
             _exit_lost_peer(detail)
 
+    wrapper.reports_user_errors = True
     return wrapper
 
 
