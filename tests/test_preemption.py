@@ -198,9 +198,10 @@ LATE_SIGNAL_SCRIPT = textwrap.dedent("""
         time.sleep(5)
 
     class Teardown:  # later still: while the interpreter tears its modules down, after its handlers are reset
-        def __del__(self):
-            os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(0.5)
+        # (bound now: by then the modules' globals may be gone)
+        def __del__(self, kill=os.kill, pid=os.getpid(), sigterm=signal.SIGTERM, sleep=time.sleep):
+            kill(pid, sigterm)
+            sleep(0.5)
 
     if sys.argv[2] == "teardown":
         teardown = Teardown()
