@@ -310,9 +310,10 @@ def _language_model(config: Any, declared: Optional[str], parts: List[str], key:
                           f"transformers {_transformers_version()} cannot build as a causal LM alone; these "
                           "recipes train text-only causal LMs: use the folder of a text-only model")
     if not text_only:
+        others = ", ".join(part.replace("_config", "") for part in parts)
         raise ConfigError(key, f"{name} is an image-text model ({', '.join(parts)}); set {text_key}=true to train "
-                          f"its language model alone as {text_class.__name__} (the {', '.join(parts)} part not "
-                          "loaded nor saved), or use the folder of a text-only model")
+                          f"its language model alone as {text_class.__name__} (without its {others} part), or use "
+                          "the folder of a text-only model")
     text_config = copy.deepcopy(text_config)
     if getattr(text_config, "dtype", None) is None:
         text_config.dtype = getattr(config, "dtype", None)  # "auto" reads the folder's dtype off this config
