@@ -228,7 +228,8 @@ def test_a_language_model_that_computes_other_logits_is_refused(tmp_path):
     folder = tmp_path / "capped"
     config.save_pretrained(str(folder))
     err = refused(check_model_folder, folder, text_only=True)
-    assert err.key == "model.text_only" and "softcap=1.0" in str(err)
+    assert err.key == "model.text_only"
+    assert "after lm_head it applies softcap 1.0, Gemma3ForConditionalGeneration nothing" in str(err)
 
     torch.manual_seed(0)
     image_text = AutoModelForImageTextToText.from_config(config).eval()
@@ -237,6 +238,17 @@ def test_a_language_model_that_computes_other_logits_is_refused(tmp_path):
     text.load_state_dict({key: image_text.state_dict()[mapped] for key, mapped in keys.items()})
     tokens = text_batch()[0]
     assert (logits(text, tokens) - logits(image_text, tokens)).abs().max() > 0.1
+
+
+def test_a_language_model_that_cannot_tie_as_the_image_text_model_is_refused(folders, monkeypatch):
+    """Were Gemma3ForCausalLM unable to tie its output projection (Gemma 3 ties it), its training would
+    differ from the image-text model's: refused, naming model.text_only."""
+    from transformers import Gemma3ForCausalLM
+
+    monkeypatch.setattr(Gemma3ForCausalLM, "_tied_weights_keys", None)
+    err = refused(check_model_folder, folders.image_text("gemma3"), text_only=True)
+    assert err.key == "model.text_only" and "ties its output projection to its embedding and Gemma3ForCausalLM " \
+        "cannot do the same" in str(err)
 
 
 def test_image_text_model_whose_language_model_transformers_cannot_build_alone(tmp_path):
@@ -262,6 +274,47 @@ def test_text_only_on_a_text_model_folder_changes_nothing(folders, tmp_path):
     reference = HFCheckpointer(folder, tmp_path).load_checkpoint()["model"]
     assert state.keys() == reference.keys() and all(torch.equal(state[k], reference[k]) for k in state)
     assert type(causal_lm(folder, text_only=True)) is type(causal_lm(folder))
+
+
+def test_missing_weights_matter_only_in_the_language_model(folders, tmp_path):
+    """Files without the vision tower still give the language model; a missing weight of the language model
+    is refused, named as the image-text model names it."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    source = folders.image_text("gemma3")
+    weights = load_file(source / "model.safetensors")
+
+    def folder_without(name, dropped):
+        folder = tmp_path / name
+        shutil.copytree(source, folder)
+        save_file({k: v for k, v in weights.items() if not dropped(k)}, folder / "model.safetensors",
+                  metadata={"format": "pt"})
+        return folder
+
+    no_vision = folder_without("no_vision", lambda key: "vision_tower" in key)
+    state = HFCheckpointer(no_vision, tmp_path / "out", text_only=True).load_checkpoint()["model"]
+    reference = HFCheckpointer(source, tmp_path / "out", text_only=True).load_checkpoint()["model"]
+    assert all(torch.equal(state[k], reference[k]) for k in reference)
+    no_norm = folder_without("no_norm", lambda key: key.endswith("layers.1.input_layernorm.weight"))
+    err = refused(HFCheckpointer(no_norm, tmp_path / "out", text_only=True).load_checkpoint)
+    assert err.key == "checkpointer.checkpoint_dir"
+    assert "model.language_model.layers.1.input_layernorm.weight missing" in str(err)
+
+
+def test_dtype_auto_is_the_image_text_folders(tmp_path):
+    """Google's Gemma 3 config.json names its dtype at the top only (the text config has none): dtype=auto
+    builds the language model in it."""
+    config = image_text_config("gemma3").to_dict()
+    config.pop("dtype", None)
+    config["text_config"].pop("dtype", None)
+    config["torch_dtype"] = "bfloat16"
+    folder = tmp_path / "bf16"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    with torch.device("meta"):
+        assert causal_lm(folder, dtype="auto", text_only=True).dtype == torch.bfloat16
 
 
 # ----------------------------------------------------------------------------- through the recipe

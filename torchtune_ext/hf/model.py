@@ -24,7 +24,11 @@ that without model code of our own:
   after its matmul (Gemma 2/3 ``final_logit_softcapping``, Cohere's
   ``logit_scale``, Granite's ``logits_scaling``), read from the class's own
   forward so that an unknown head transform is refused rather than dropped
-  (:func:`_head_transforms`).
+  (:func:`_head_transforms`);
+* an image-text folder (Gemma 3 4B+, Llama 4, ...) is refused unless
+  ``text_only``, which builds its language model alone, as the causal LM
+  class of its ``text_config`` (:func:`read_model_folder`; the checkpointer
+  takes its weights out of the image-text model: :func:`language_model_keys`).
 """
 
 import copy
@@ -252,8 +256,12 @@ def language_model_keys(image_text: nn.Module, text: nn.Module) -> Dict[str, str
             ``image_text``; an entry missing there or of another shape.
     """
     head = text.get_output_embeddings()
+    entries = text.state_dict()
+    owners = {key.partition(".")[0] for key in entries}  # modules without weights (a rotary embedding) need no place
     places: Dict[str, str] = {}
     for name, child in text.named_children():
+        if name not in owners:
+            continue
         if child is head:
             target = image_text.get_output_embeddings()
             found = [n for n, m in image_text.named_modules() if target is not None and m is target]
@@ -265,9 +273,11 @@ def language_model_keys(image_text: nn.Module, text: nn.Module) -> Dict[str, str
         places[name] = found[0]
     targets = image_text.state_dict()
     keys: Dict[str, str] = {}
-    for key, value in text.state_dict().items():
+    for key, value in entries.items():
         child, _, rest = key.partition(".")
-        mapped = f"{places[child]}.{rest}" if places.get(child) else rest
+        if child not in places:
+            raise ValueError(f"{type(text).__name__}'s {key} belongs to no module of its own")
+        mapped = f"{places[child]}.{rest}" if places[child] else rest
         if mapped not in targets or targets[mapped].shape != value.shape:
             raise ValueError(f"{type(image_text).__name__} has no {mapped} of shape {tuple(value.shape)} for "
                              f"{type(text).__name__}'s {key}")
@@ -328,17 +338,18 @@ def _language_model(config: Any, declared: Optional[str], parts: List[str], key:
     except ValueError as err:
         raise ConfigError(text_key, f"the language model of {name} cannot be taken out of it: {err}") from None
     if _is_tied(text) != _is_tied(image_text):
-        raise ConfigError(text_key, f"{name} ties its output projection to its embedding "
-                          f"{'but' if _is_tied(image_text) else 'and'} {text_class.__name__} cannot "
-                          f"{'tie' if _is_tied(image_text) else 'untie'} it: the text model would train another model")
+        raise ConfigError(text_key, f"{name} {'ties' if _is_tied(image_text) else 'does not tie'} its output "
+                          f"projection to its embedding and {text_class.__name__} cannot do the same: its language "
+                          "model cannot train alone")
     try:
         outer = _head_transforms(image_text, model_class)
     except ConfigError:
         outer = None  # no lm_head call of its own: its logits come from a causal LM inside it (Llama 4)
     inner = _head_transforms(text, text_class)
     if outer is not None and outer != inner:
-        raise ConfigError(text_key, f"{text_class.__name__} would compute other logits than {name} ({inner} "
-                          f"after lm_head, against {outer}); its language model cannot train alone")
+        raise ConfigError(text_key, f"{text_class.__name__} would compute other logits than {name}: after lm_head "
+                          f"it applies {inner.describe()}, {name} {outer.describe()}; its language model cannot "
+                          "train alone")
     kept = set(keys.values())
     dropped = _dropped_modules(image_text.state_dict(), kept)
     count = sum(p.numel() for n, p in image_text.named_parameters() if n not in kept)
@@ -383,6 +394,13 @@ class HeadTransform:
     softcap: Optional[float] = None
     multiply: float = 1.0
     divide: float = 1.0
+
+    def describe(self) -> str:
+        """What it does, in words for a message (``softcap 30.0``, ``nothing``)."""
+        done = [f"multiply by {self.multiply}"] if self.multiply != 1.0 else []
+        done += [f"divide by {self.divide}"] if self.divide != 1.0 else []
+        done += [f"softcap {self.softcap}"] if self.softcap is not None else []
+        return ", then ".join(done) or "nothing"
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         if self.multiply != 1.0:
