@@ -317,6 +317,21 @@ def test_dtype_auto_is_the_image_text_folders(tmp_path):
         assert causal_lm(folder, dtype="auto", text_only=True).dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("config", ["full", "full_single_device", "lora", "lora_single_device"])
+def test_the_shipped_configs_set_the_checkpointer_from_the_model(config):
+    """configs/hf/*.yaml: model.text_only and model.trust_remote_code are off by default and are the one key
+    each to set; the checkpointer's follow them."""
+    from omegaconf import OmegaConf
+
+    from helpers import REPO_ROOT
+
+    cfg = OmegaConf.load(REPO_ROOT / "configs" / "hf" / f"{config}.yaml")
+    assert cfg.model.text_only is False and cfg.checkpointer.text_only is False
+    assert cfg.checkpointer.trust_remote_code is False
+    cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(["model.text_only=true", "model.trust_remote_code=true"]))
+    assert cfg.checkpointer.text_only is True and cfg.checkpointer.trust_remote_code is True
+
+
 # ----------------------------------------------------------------------------- through the recipe
 @pytest.fixture(scope="module")
 def recipe_folder(tmp_path_factory, smollm2_assets):
