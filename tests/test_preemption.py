@@ -19,7 +19,8 @@ import resume_jobs
 from helpers import REPO_ROOT, read_jsonl, run_tune
 from torchtune_ext.checkpoint import MANIFEST, list_checkpoints, verify_checkpoint
 from torchtune_ext.launch import OUTCOME_FILE_ENV
-from torchtune_ext.preemption import REPEAT_WINDOW_S, STOPPED_EXIT_STATUS, resume_command
+from torchtune_ext.errors import EXIT_STOPPED
+from torchtune_ext.preemption import REPEAT_WINDOW_S, resume_command
 
 RECIPE = "recipes/full_finetune_single_device.py"
 LONG = ["epochs=12"]  # 48 steps of a few milliseconds each: the signal arrives mid-run
@@ -61,7 +62,7 @@ def test_signal_saves_says_how_to_resume_and_resumes_exactly(tiny, tmp_path, sig
     wait_for_steps(proc, out / "logs" / "metrics.jsonl", 3)
     os.kill(proc.pid, signum)
     _, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == STOPPED_EXIT_STATUS, stderr[-3000:]
+    assert proc.returncode == EXIT_STOPPED, stderr[-3000:]
     assert "Traceback" not in stderr
     checkpoint = list_checkpoints(str(out))[-1]  # the stop's (before it: one at each epoch end)
     verify_checkpoint(checkpoint)
@@ -149,7 +150,7 @@ def test_a_scheduler_signalling_the_whole_job_gets_the_workers_exit_status(tiny,
         assert proc.returncode == 74, stderr[-3000:]
         assert "error: saving step_" in stderr and "is a file" in stderr
     else:
-        assert proc.returncode == STOPPED_EXIT_STATUS, stderr[-3000:]
+        assert proc.returncode == EXIT_STOPPED, stderr[-3000:]
         assert "Stopped on SIGTERM after optimizer step" in stderr
         verify_checkpoint(list_checkpoints(str(out))[-1])
 

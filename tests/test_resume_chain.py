@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 import resume_jobs
 from helpers import REPO_ROOT
 from torchtune_ext.checkpoint import list_checkpoints, verify_checkpoint
-from torchtune_ext.preemption import STOPPED_EXIT_STATUS
+from torchtune_ext.errors import EXIT_STOPPED
 from torchtune_ext.run_lock import OutputDirLock
 
 TOL = 1e-5
@@ -66,7 +66,7 @@ def test_ten_resumes_in_a_row_are_exact(setup_yaml, tmp_path, recipe):
     straight, chained = tmp_path / "straight", tmp_path / "chained"
     assert resume_jobs.run(recipe, resume_jobs.config(setup_yaml, recipe, straight)) == 0
     statuses = resume_jobs.chain(recipe, setup_yaml, chained, STOPS)
-    assert statuses == [STOPPED_EXIT_STATUS] * len(STOPS) + [0]
+    assert statuses == [EXIT_STOPPED] * len(STOPS) + [0]
     rows = [r["step"] for r in resume_jobs.read_jsonl(chained / "logs" / "metrics.jsonl")]
     assert rows == list(range(1, 13))  # a stop loses no step and repeats none
     assert_exact(resume_jobs.by_step(chained), resume_jobs.by_step(straight))
@@ -111,7 +111,7 @@ def two_ranks(setup_yaml, tmp_path_factory):
     one_rank = ["batch_size=4", "gradient_accumulation_steps=1"]
     assert resume_jobs.chain("full_single", setup_yaml, root / "to_two_ref", [], *one_rank) == [0]
     assert resume_jobs.chain("full_single", setup_yaml, root / "to_two", [2], *one_rank, finish=False) == [
-        STOPPED_EXIT_STATUS]
+        EXIT_STOPPED]
     signalled = {"rank_1": _tune_run_stopped_by_sigterm(setup_yaml, root / "signalled", rank=1),
                  "launcher": _tune_run_stopped_by_sigterm(setup_yaml, root / "signalled_launcher", rank=None)}
     jobs = [
@@ -227,7 +227,7 @@ def test_two_ranks_real_sigterm_to_one_worker(two_ranks):
     checkpoint = stopped["checkpoint"]
     step = int(checkpoint.name.split("_")[1])
     assert stopped["steps"] == list(range(1, step + 1)) and step < 48
-    assert stopped["returncode"] == STOPPED_EXIT_STATUS, stopped["stderr"][-3000:]
+    assert stopped["returncode"] == EXIT_STOPPED, stopped["stderr"][-3000:]
     assert "Traceback" not in stopped["stderr"] and "ChildFailedError" not in stopped["stderr"]
     assert stopped["stderr"].count(
         f"Stopped on a signal on another rank after optimizer step {step}; checkpoint: {checkpoint}. Continue "
@@ -245,7 +245,7 @@ def test_two_ranks_real_sigterm_to_the_launcher(two_ranks):
     stopped = two_ranks[2]["launcher"]
     checkpoint = stopped["checkpoint"]
     step = int(checkpoint.name.split("_")[1])
-    assert stopped["returncode"] == STOPPED_EXIT_STATUS, stopped["stderr"][-3000:]
+    assert stopped["returncode"] == EXIT_STOPPED, stopped["stderr"][-3000:]
     assert "Traceback" not in stopped["stderr"]
     assert stopped["stderr"].count(f"Stopped on SIGTERM after optimizer step {step}; checkpoint: {checkpoint}.") == 1
     assert stopped["steps"] == list(range(1, step + 1)) and step < 48

@@ -13,7 +13,7 @@ import torch
 
 import resume_jobs
 from torchtune_ext.config import ConfigError
-from torchtune_ext.preemption import STOPPED_EXIT_STATUS
+from torchtune_ext.errors import EXIT_STOPPED
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def reference(setup_yaml, tmp_path_factory):
 def stopped_at_2(setup_yaml, out, *overrides):
     status = resume_jobs.run("full_single", resume_jobs.config(setup_yaml, "full_single", out, *overrides),
                              stop_after=2)
-    assert status == STOPPED_EXIT_STATUS
+    assert status == EXIT_STOPPED
 
 
 def resume(setup_yaml, out, *overrides):
@@ -167,7 +167,7 @@ def test_lowering_max_steps_per_epoch_below_the_step_reached_ends_the_epoch_and_
 # ------------------------------------------------------- resumes another model cannot continue (issue 33 F8, F9)
 def lora_stopped_at_2(setup_yaml, out):
     cfg = resume_jobs.config(setup_yaml, "lora_single", out)
-    assert resume_jobs.run("lora_single", cfg, stop_after=2) == STOPPED_EXIT_STATUS
+    assert resume_jobs.run("lora_single", cfg, stop_after=2) == EXIT_STOPPED
 
 
 @pytest.mark.parametrize("override,expected", [

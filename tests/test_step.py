@@ -12,7 +12,9 @@ from helpers import (
 )
 from torchtune_ext.loss import SummedCrossEntropyLoss
 from torchtune_ext.runtime import embedding_rows_into_grad
-from torchtune_ext.step import NonFiniteError, StepHealth, forward_backward, grad_norm_and_clip, train_step
+from torchtune_ext.errors import NonFiniteError
+from torchtune_ext.grad_norm import grad_norm_and_clip
+from torchtune_ext.step import StepHealth, forward_backward, train_step
 
 CPU = torch.device("cpu")
 TOL = 1e-5

@@ -55,7 +55,10 @@ from torchtune import config as tt_config
 from torchtune import training
 from torchtune.utils import get_logger
 
-from torchtune_ext.config import ConfigError, lora_settings
+from torchtune_ext import ranks
+from torchtune_ext.config import lora_settings
+from torchtune_ext.errors import CheckpointSaveError, ConfigError, DiskSpaceError, OutputWriteError
+from torchtune_ext.text import format_bytes, short
 from torchtune_ext.tokenizer import training_chat_template, write_chat_template
 from torchtune_ext.upstream import ADAPTER_KEYS, first_mismatch
 
@@ -168,7 +171,7 @@ def set_rng_state(state: Dict[str, Any]) -> None:
 
 def _unreadable_folder(folder: Path, err: OSError) -> ConfigError:
     """The error for a folder of ``output_dir`` whose entries cannot be read (permissions, a failing disk)."""
-    return ConfigError("output_dir", f"'{folder}' cannot be read ({_short(err)}), so the checkpoints in it cannot "
+    return ConfigError("output_dir", f"'{folder}' cannot be read ({short(err)}), so the checkpoints in it cannot "
                        f"be listed or checked; give this user read access to it (e.g. chmod u+rwx '{folder}') or "
                        "move it out of the output_dir")
 
@@ -304,7 +307,7 @@ def _read_manifest(path: Path, content: bool = False):
                 return None, f"checkpoint '{path}' is missing '{name}'"
             actual = file.stat().st_size
         except OSError as err:
-            return None, f"checkpoint '{path}': '{name}' cannot be read ({_short(err)})"
+            return None, f"checkpoint '{path}': '{name}' cannot be read ({short(err)})"
         if actual != size:
             return None, (f"checkpoint '{path}': '{name}' has {actual} bytes, manifest says {size} "
                           "(truncated or replaced)")
@@ -315,7 +318,7 @@ def _read_manifest(path: Path, content: bool = False):
             try:
                 actual_digest = file_sha256(path / name)
             except OSError as err:
-                return None, f"checkpoint '{path}': '{name}' cannot be read ({_short(err)})"
+                return None, f"checkpoint '{path}': '{name}' cannot be read ({short(err)})"
             if actual_digest != digest:
                 return None, (f"checkpoint '{path}': '{name}' is damaged: its content differs from what was "
                               "saved (SHA-256 mismatch, same size)")
@@ -328,39 +331,13 @@ def latest_checkpoint(output_dir: str) -> Optional[Path]:
     return found[-1] if found else None
 
 
-def _is_rank_zero() -> bool:
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
-
-
 def _from_rank_zero(value: Any) -> Any:
     """Rank 0's ``value`` on every rank (itself without a process group)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not ranks.several_processes():
         return value
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
-
-
-class DiskSpaceError(ConfigError):
-    """Not enough free space in ``output_dir`` for one checkpoint, found before training (key ``output_dir``)."""
-
-
-class CheckpointSaveError(RuntimeError):
-    """A checkpoint could not be written during training: the disk was full, or a write failed.
-
-    The staging folder is removed and earlier checkpoints are intact; the
-    message says which one to resume from, if any. The recipes exit with
-    :data:`torchtune_ext.launch.EXIT_IO_ERROR` (74).
-    """
-
-
-class OutputWriteError(CheckpointSaveError):
-    """Another file of the run could not be written during training (the step's metrics): a full disk, a failing device.
-
-    Training stops at once, without a checkpoint (the disk that refused a line of
-    metrics would refuse one); the message names the newest checkpoint to resume
-    from. A :class:`CheckpointSaveError`, so that the recipes exit alike, with 74.
-    """
 
 
 def write_failed(what: str, output_dir: Any, err: OSError, step: Optional[int] = None,
@@ -381,7 +358,7 @@ def write_failed(what: str, output_dir: Any, err: OSError, step: Optional[int] =
         latest = latest_checkpoint(str(output_dir))
     except ConfigError:
         latest = None
-    cause = "the disk is full" if full else _short(err)
+    cause = "the disk is full" if full else short(err)
     if finished:
         kept = f"{latest} is complete" if latest is not None else "no checkpoint was saved"
         return OutputWriteError(f"writing {what} failed ({cause}) after training finished: {kept}, and every "
@@ -395,17 +372,6 @@ def write_failed(what: str, output_dir: Any, err: OSError, step: Optional[int] =
                 else f" (steps {first}-{step} are trained again)")
         then = f"resume from {latest}: {fix}, then continue with resume_from_checkpoint=true{lost}"
     return OutputWriteError(f"writing {what} failed ({cause}): training stopped{after}; {then}")
-
-
-def format_bytes(num_bytes: float) -> str:
-    """``1.61 GiB``, ``12.0 MiB``, ...: binary units, three significant figures."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(num_bytes) < 1024 or unit == "GiB":
-            break
-        num_bytes /= 1024
-    if unit == "GiB" and abs(num_bytes) >= 1024:
-        return f"{num_bytes / 1024:.3g} TiB"
-    return f"{num_bytes:.3g} {unit}" if unit != "B" else f"{int(num_bytes)} B"
 
 
 def tensor_bytes(obj: Any) -> int:
@@ -452,8 +418,7 @@ def expected_checkpoint_bytes(model: torch.nn.Module, optimizer: torch.optim.Opt
     weights = tensor_bytes(state)
     if lora:
         weights = 2 * trainable + (0 if adapter_only else weights - trainable)
-    ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    small = 64 * 2**10 + 32 * 2**10 * ranks + 256 * len(state)
+    small = 64 * 2**10 + 32 * 2**10 * ranks.process_group_size() + 256 * len(state)
     return weights + _optimizer_states_per_parameter(optimizer) * trainable + small
 
 
@@ -656,7 +621,7 @@ class CheckpointManager:
                 )
             except Exception as err:
                 raise ConfigError("resume_from_checkpoint", f"'{resume_from / adapter_file}' cannot be read "
-                                  f"({_short(err)}).{intact_before(resume_from)}") from err
+                                  f"({short(err)}).{intact_before(resume_from)}") from err
         return state
 
     def announce(self, checkpoint_bytes: int, progress: Progress, loader: Any, cfg: DictConfig) -> None:
@@ -694,7 +659,7 @@ class CheckpointManager:
                 f"(keep_last_n_checkpoints={self.keep_last_n if self.keep_last_n is not None else 'null'}): "
                 f"up to {format_bytes(on_disk * checkpoint_bytes)} in '{self.output_dir}', "
                 f"{format_bytes(free)} free")
-        if not _is_rank_zero():
+        if not ranks.is_rank_zero():
             return
         try:  # each save makes it again: a run that saves nothing leaves no empty staging folder
             self.staging.rmdir()
@@ -743,7 +708,7 @@ class CheckpointManager:
         """
         final = self.output_dir / f"step_{progress.step}"
         outcome: Any = None
-        if _is_rank_zero():
+        if ranks.is_rank_zero():
             try:
                 outcome = self._write(final, state_dict, progress, optimizer_state, rng_by_rank, adapter_only,
                                       suspect_from)
@@ -782,7 +747,7 @@ class CheckpointManager:
             free = shutil.disk_usage(self.output_dir).free
         except OSError as err:
             raise CheckpointSaveError(f"saving {final.name} in output_dir '{self.output_dir}' failed before "
-                                      f"writing ({_short(err)}): {self._after_failure(written=False)}") from err
+                                      f"writing ({short(err)}): {self._after_failure(written=False)}") from err
         needed = self._needed_bytes(state_dict, optimizer_state)
         if free < needed:
             raise self._disk_space_error(final, needed, free)
@@ -832,19 +797,19 @@ class CheckpointManager:
                 raise self._disk_space_error(final, needed, (free_now or 0) + partial, cause=err) from err
             fix = "fix the cause" if isinstance(err, OSError) else _WRITE_ADVICE
             raise CheckpointSaveError(f"saving {final.name} in output_dir '{self.output_dir}' failed "
-                                      f"({_short(err)}): {self._after_failure(fix, written=wrote)}") from err
+                                      f"({short(err)}): {self._after_failure(fix, written=wrote)}") from err
         try:
             os.replace(written, final)
         except OSError as err:
             shutil.rmtree(self.staging, ignore_errors=True)
             raise CheckpointSaveError(f"saving {final.name} in output_dir '{self.output_dir}' failed when moving "
-                                      f"it into place ({_short(err)}): {self._after_failure()}") from err
+                                      f"it into place ({short(err)}): {self._after_failure()}") from err
         shutil.rmtree(self.staging, ignore_errors=True)
         try:
             _fsync_dir(self.output_dir)
         except OSError as err:
             raise CheckpointSaveError(f"saving {final.name} in output_dir '{self.output_dir}' failed: the folder "
-                                      f"could not be synced to disk ({_short(err)}); {final} is complete but may "
+                                      f"could not be synced to disk ({short(err)}); {final} is complete but may "
                                       f"not survive a crash of the machine: fix the cause, then continue with "
                                       f"resume_from_checkpoint=true") from err
         hashing = f", of which {hash_seconds:.1f} s for the SHA-256 of its files" if self._hash_files else ""
@@ -914,7 +879,7 @@ class CheckpointManager:
         try:
             previous = latest_checkpoint(str(self.output_dir))
         except (OSError, ConfigError) as err:
-            return f"{done}; the earlier checkpoints could not be listed ({_short(err)}): {fix}, then resume"
+            return f"{done}; the earlier checkpoints could not be listed ({short(err)}): {fix}, then resume"
         if previous is None:
             return f"{done} and no checkpoint of this run exists yet: {fix}, then start the run again"
         return f"{done} and {previous} is intact: {fix}, then continue with resume_from_checkpoint=true"
@@ -939,21 +904,12 @@ class CheckpointManager:
                 what = ("could not be deleted" if (old / MANIFEST).is_file() else
                         f"was deleted only in part (its {MANIFEST} is gone: what is left is not a checkpoint)")
                 log.warning(f"keep_last_n_checkpoints={self.keep_last_n}: the old checkpoint '{old}' {what} "
-                            f"({_short(err)}); delete it by hand")
-
-
-def _short(err: BaseException) -> str:
-    """``Type: message`` on one line, with the cause's message (torchtune wraps the reader's error)."""
-    text = f"{type(err).__name__}: {' '.join(str(err).split())}"
-    cause = err.__cause__ or err.__context__
-    if cause is not None and str(cause) and str(cause) not in text:
-        text += f" ({type(cause).__name__}: {' '.join(str(cause).split())})"
-    return text
+                            f"({short(err)}); delete it by hand")
 
 
 def _unreadable(folder: Path, err: BaseException, resuming: bool) -> ConfigError:
     """The error for a checkpoint folder the torchtune checkpointer could not load."""
-    detail = _short(err)
+    detail = short(err)
     if isinstance(err, RuntimeError) and "shape" in str(err) and "is invalid for input of size" in str(err):
         # convert_weights reshapes q/k by the head counts of config.json
         try:
@@ -1017,7 +973,7 @@ def load_recipe_state(path: Path) -> ResumeState:
             path=path,
         )
     except Exception as err:
-        raise ConfigError("resume_from_checkpoint", f"'{path / RECIPE_STATE}' cannot be read ({_short(err)})."
+        raise ConfigError("resume_from_checkpoint", f"'{path / RECIPE_STATE}' cannot be read ({short(err)})."
                           + intact_before(path)) from err
 
 

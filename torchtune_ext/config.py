@@ -10,8 +10,7 @@ before anything is written.
 """
 
 import contextlib
-import difflib
-import functools
+import importlib
 import inspect
 import logging
 import os
@@ -21,34 +20,12 @@ from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple
 
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
-from torchtune_ext.launch import _rank
+from torchtune_ext import ranks
+from torchtune_ext.errors import DOWNLOAD_COMMAND, ConfigError, UserError
+from torchtune_ext.text import closest
+from torchtune_ext.upstream import check_model_type, download_command
 
 log = logging.getLogger(__name__)
-
-DOWNLOAD_COMMAND = "python -m torchtune_ext.download"
-
-
-class UserError(ValueError):
-    """An expected mistake in the command line, the config or an input file.
-
-    The recipes print it as one line and exit with status 2
-    (:func:`torchtune_ext.launch.exit_on_user_error`); the message says what
-    is wrong and how to fix it.
-    """
-
-
-class ConfigError(UserError):
-    """A config value is missing, of the wrong type or out of range.
-
-    Args:
-        key (str): dotted config key, e.g. ``gradient_accumulation_steps``.
-        message (str): what is expected / how to fix it.
-    """
-
-    def __init__(self, key: str, message: str):
-        self.key = key
-        super().__init__(f"config key '{key}': {message}")
-
 
 @dataclass(frozen=True)
 class Key:
@@ -243,6 +220,36 @@ def _text_model(key: str, value: Any) -> None:
                           "or torchtune's own recipe for it")
 
 
+def resolve_component(path: str) -> Any:
+    """The object a ``_component_`` dotted path names, importing as needed.
+
+    Raises:
+        ValueError: no such module or attribute (the message names the part
+            that is missing). Errors raised while importing an existing
+            module propagate.
+    """
+    parts = path.split(".")
+    if not path or not all(parts):
+        raise ValueError(f"'{path}' is not a dotted path such as torch.optim.AdamW")
+    module, found = None, 0
+    for i in range(len(parts), 0, -1):
+        name = ".".join(parts[:i])
+        try:
+            module, found = importlib.import_module(name), i
+            break
+        except ModuleNotFoundError as err:
+            if err.name is None or not (name == err.name or name.startswith(err.name + ".")):
+                raise  # an existing module failed to import one of its own dependencies
+    if module is None:
+        raise ValueError(f"there is no module '{parts[0]}' (is its package installed?)")
+    obj = module
+    for j in range(found, len(parts)):
+        if not hasattr(obj, parts[j]):
+            raise ValueError(f"'{'.'.join(parts[:j])}' has no attribute '{parts[j]}'")
+        obj = getattr(obj, parts[j])
+    return obj
+
+
 def import_component(key: str, component: str) -> Any:
     """The object a ``_component_`` path names, or a :class:`ConfigError` naming the missing package.
 
@@ -250,8 +257,6 @@ def import_component(key: str, component: str) -> Any:
         ConfigError: (key ``key``) if the module or the attribute does not
             exist; a missing package is named with what installs it.
     """
-    from torchtune_ext.preflight import resolve_component
-
     try:
         return resolve_component(component)
     except ModuleNotFoundError as err:  # an existing module needs a package that is not installed
@@ -539,16 +544,13 @@ def remind_ignored_keys(cfg: DictConfig, extra_keys: Optional[Dict[str, Key]] = 
         extra_keys: the recipe's keys beyond :data:`COMMON_KEYS`, as given to ``validate``.
     """
     ignored = ignored_keys(cfg, extra_keys)
-    if ignored and _rank() == 0:
+    if ignored and ranks.is_rank_zero():
         log.warning("Config keys this recipe ignored (not read, as said at the start): %s", ", ".join(ignored))
 
 
 def _closest(key: str, known: Iterable[str]) -> str:
-    known = list(known)
-    if _OTHER_NAMES.get(key) in known:
-        return f" Did you mean '{_OTHER_NAMES[key]}'?"
-    match = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-    return f" Did you mean '{match[0]}'?" if match else ""
+    match = closest(key, known, _OTHER_NAMES)
+    return f" Did you mean '{match}'?" if match else ""
 
 
 def _paths(value: Any) -> Tuple[str, ...]:
@@ -566,8 +568,6 @@ def _missing_input(key: str, path: str, model_files: bool = False) -> ConfigErro
     if norm == "assets" or norm.startswith("assets" + os.sep):
         hint = f" The bundled model and data are created by `{DOWNLOAD_COMMAND}` (run it from the repository root)."
     elif model_files:
-        from torchtune_ext.upstream import download_command
-
         command = download_command(path)
         hint = (f" Download the model first: `{command}`" if command else
                 " Download the model into it first, e.g. `tune download <org>/<model> --output-dir <folder>`, "
@@ -678,7 +678,7 @@ def _check_validation(cfg: DictConfig, training: bool) -> None:
         asked = ("run_val_every_n_steps" if cfg.run_val_every_n_steps else "run_val_at_start")
         raise ConfigError("dataset_val", f"is required by {asked}: add a dataset_val (a dataset config, as "
                           "`dataset`), or set run_val_every_n_steps=null run_val_at_start=false")
-    if cfg.dataset_val is not None and not validation_enabled(cfg) and _rank() == 0:
+    if cfg.dataset_val is not None and not validation_enabled(cfg) and ranks.is_rank_zero():
         from torchtune import utils
 
         # torchtune's logger (this module's INFO lines are not shown), at the run's log_level already: the
@@ -713,10 +713,10 @@ def _resolve_backward(cfg: DictConfig, backward_given: bool) -> None:
             said = f"runs as backward={mapped}" + (
                 " (backward once per optimizer step where it fits under once_per_step_memory_limit, else per "
                 "micro-batch; backward=once_per_step always runs it once per step)" if old else "")
-            if _rank() == 0:
+            if ranks.is_rank_zero():
                 _run_logger(cfg).warning(f"Config key 'backward_once_per_step' is the older name of 'backward': "
                                          f"backward_once_per_step={text} {said}.")
-    if cfg.optimizer_in_bwd and cfg.backward == "per_micro_batch" and cfg.max_tokens_per_micro_batch and _rank() == 0:
+    if cfg.optimizer_in_bwd and cfg.backward == "per_micro_batch" and cfg.max_tokens_per_micro_batch and ranks.is_rank_zero():
         # several micro-batches per step only come from the token budget (optimizer_in_bwd needs GA 1)
         _run_logger(cfg).warning("backward=per_micro_batch does not apply with optimizer_in_bwd=true: each "
                                  "parameter is updated in its gradient hook, so a step's micro-batches run one "
@@ -781,8 +781,6 @@ def _check_combinations(cfg: DictConfig, training: bool = True) -> None:
         raise ConfigError("collate_fn", "tiles images for multimodal models, which these recipes do not train; "
                           "remove it (the default is torchtune.data.padded_collate_sft)")
     import_component("collate_fn", cfg.collate_fn)
-    from torchtune_ext.upstream import check_model_type
-
     mismatch = check_model_type(cfg.model._component_, cfg.checkpointer.get("model_type"))
     if mismatch:
         raise ConfigError("checkpointer.model_type", mismatch)

@@ -39,7 +39,7 @@ from torchtune import config as tt_config
 from torchtune.config._utils import _get_component_from_path
 from torchtune.data import padded_collate_packed, padded_collate_sft
 
-from torchtune_ext.config import ConfigError
+from torchtune_ext.errors import ConfigError
 from torchtune_ext.data_check import act_on_reports, check_dataset, explain_unreadable
 from torchtune_ext.loss import CROSS_ENTROPY_IGNORE_INDEX
 from torchtune_ext.memory import MicroBatchShape

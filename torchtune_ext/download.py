@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from torchtune_ext.errors import ChecksumError
 from torchtune_ext.assets import (
     ALPACA_RELPATH,
     DEFAULT_ASSETS_DIR,
@@ -145,10 +146,6 @@ def default_cache_dir() -> Path:
 
 
 # ---------------------------------------------------------------- fetching
-
-
-class ChecksumError(RuntimeError):
-    """A downloaded archive does not have the sha256 recorded in this module."""
 
 
 def sha256_of(path: str | os.PathLike) -> str:

@@ -73,20 +73,19 @@ import sys
 import time
 from typing import Any, Callable, List, Optional
 
-EXIT_USER_ERROR = 2
-EXIT_TRAINING_FAILED = 3
-# EX_IOERR of sysexits.h, "an error occurred while doing I/O on some file": a save failed
-EXIT_IO_ERROR = 74
-# EX_TEMPFAIL of sysexits.h, "a temporary failure; retry": a checkpoint was saved, resume to continue
-EXIT_STOPPED = 75
-REPORTED_EXIT_CODES = (EXIT_USER_ERROR, EXIT_TRAINING_FAILED, EXIT_IO_ERROR, EXIT_STOPPED)
-# Set by the launcher for its workers: rank 0 writes the exit status it ends with (and has said why)
-# to this file (record_outcome), so that the launcher exits with that status even when a scheduler's
-# signal reached it too and torchrun's agent ended with its own SignalException, which carries no
-# worker status: a stop (75), and also a stop whose save failed (74).
-OUTCOME_FILE_ENV = "TORCHTUNE_EXT_OUTCOME_FILE"
-# Set by the launcher for its workers: its pid; a worker ends when that process does (end_with_launcher).
-LAUNCHER_PID_ENV = "TORCHTUNE_EXT_LAUNCHER_PID"
+from torchtune_ext import ranks
+from torchtune_ext.errors import (
+    EXIT_IO_ERROR,
+    EXIT_TRAINING_FAILED,
+    EXIT_USER_ERROR,
+    LAUNCHER_PID_ENV,
+    OUTCOME_FILE_ENV,
+    REPORTED_EXIT_CODES,
+    CheckpointSaveError,
+    TrainingHealthError,
+    UserError,
+)
+
 # What torchrun's launcher sends the workers still running once one has failed, instead of torchrun's SIGTERM:
 # SIGTERM asks a worker to save a checkpoint and stop (torchtune_ext.preemption), which it cannot do with a rank
 # gone, and it would say so first. No worker handles this one: its default action ends the worker at once, and
@@ -127,8 +126,6 @@ def check_command_line(argv: List[str]) -> List[str]:
     """
     import yaml
     from omegaconf import DictConfig, OmegaConf
-
-    from torchtune_ext.config import UserError
 
     paths = _config_paths(argv)
     if not paths:
@@ -185,10 +182,6 @@ def check_command_line(argv: List[str]) -> List[str]:
 _ABSENT = object()
 
 
-def _rank() -> int:
-    return int(os.environ.get("RANK", "0") or 0)
-
-
 def write_line(text: str) -> None:
     """Write ``text`` as the run's last line of stderr: progress bars still open are closed first.
 
@@ -233,7 +226,7 @@ def record_outcome(status: int) -> None:
     Does nothing outside ``tune run --nproc_per_node`` or on other ranks.
     """
     path = os.environ.get(OUTCOME_FILE_ENV)
-    if path and _rank() == 0:
+    if path and ranks.is_rank_zero():
         try:
             with open(path, "w") as f:
                 f.write(f"{status}\n")
@@ -249,7 +242,7 @@ def record_output_dir(path: str) -> None:
     launcher prints a line); nothing is done outside ``tune run --nproc_per_node``.
     """
     outcome = os.environ.get(OUTCOME_FILE_ENV)
-    if outcome and int(os.environ.get("LOCAL_RANK", "0") or 0) == 0:
+    if outcome and ranks.local_rank() in (None, 0):
         try:
             with open(outcome + ".output_dir", "w") as f:
                 f.write(os.path.abspath(path))
@@ -280,7 +273,7 @@ def report_and_exit(message: str, status: int) -> None:
     the message is the last line printed.
     """
     finish_wandb(status)
-    if _rank() == 0:
+    if ranks.is_rank_zero():
         write_line(message)  # an error during training may come while the progress bar is drawn
         record_outcome(status)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
@@ -347,7 +340,7 @@ def end_with_launcher() -> None:
     :data:`LAUNCHER_PID_ENV`. Elsewhere, or outside torchrun, nothing is done.
     """
     launcher = os.environ.get(LAUNCHER_PID_ENV)
-    if not launcher or os.environ.get("LOCAL_RANK") is None or not sys.platform.startswith("linux"):
+    if not launcher or ranks.local_rank() is None or not sys.platform.startswith("linux"):
         return
     try:
         prctl = ctypes.CDLL(None, use_errno=True).prctl
@@ -375,7 +368,7 @@ _LOST_PEER_WORDS = ("Connection reset by peer", "Connection closed by peer", "Br
 
 def _lost_peer(err: BaseException) -> Optional[str]:
     """gloo's (or NCCL's) short description of a lost connection to another rank in ``err`` or its causes."""
-    if int(os.environ.get("WORLD_SIZE", "1") or 1) < 2:
+    if ranks.world_size() < 2:
         return None
     seen = set()
     while err is not None and id(err) not in seen:
@@ -401,7 +394,7 @@ def _exit_lost_peer(detail: str) -> None:
     """
     message = f"{LOST_PEER} ({detail}): another rank has ended or cannot be reached"
     finish_wandb(1, quiet=True)
-    if _rank() == 0 and not os.environ.get(LAUNCHER_PID_ENV):
+    if ranks.is_rank_zero() and not os.environ.get(LAUNCHER_PID_ENV):
         write_line(message)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
@@ -434,9 +427,7 @@ def exit_on_user_error(recipe_main: Callable[..., Any]) -> Callable[..., Any]:
     * under torchrun, a lost connection to another rank (that rank died):
       quietly, as torchrun ends the other workers (:func:`_exit_lost_peer`).
     """
-    from torchtune_ext.checkpoint import CheckpointSaveError
-    from torchtune_ext.config import UserError, command_line_keys
-    from torchtune_ext.health import TrainingHealthError
+    from torchtune_ext.config import command_line_keys
 
     @functools.wraps(recipe_main)
     def wrapper(*args: Any, **kwargs: Any) -> Any:

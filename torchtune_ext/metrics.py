@@ -26,10 +26,11 @@ from torchtune import config as tt_config
 from torchtune import utils
 
 from torchtune_ext import flops as flops_lib
+from torchtune_ext import ranks
 from torchtune_ext.checkpoint import write_failed
-from torchtune_ext.config import ConfigError, enabled
+from torchtune_ext.config import enabled
+from torchtune_ext.errors import EXIT_IO_ERROR, ConfigError
 from torchtune_ext.flops import ModelFlops
-from torchtune_ext.launch import EXIT_IO_ERROR
 from torchtune_ext.step import StepResult, waiting_shares
 
 log = utils.get_logger("INFO")  # torchtune's: the recipes show its INFO lines
@@ -486,7 +487,7 @@ def build_metric_logger(cfg: DictConfig, rank: int, resume: bool = False) -> Met
                 logs.mkdir(parents=True, exist_ok=True)
                 id_file.write_text(wandb.run.id)
                 define_wandb_axes()
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if ranks.several_processes():
         # Only rank 0 starts the logger: the other ranks must not go on to train and wait for it
         said = [None if failure is None else str(failure)]
         dist.broadcast_object_list(said, src=0)

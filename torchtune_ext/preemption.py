@@ -3,9 +3,10 @@
 SIGTERM is what SLURM, Kubernetes and spot-instance reclaims send before they
 kill a job; SIGINT is Ctrl-C. On the first one the run finishes the optimizer
 step in progress, saves a checkpoint, prints where it is and the command that
-continues it, and exits with :data:`STOPPED_EXIT_STATUS`. A second signal
-stops at once (exit ``128 + signal number``, the shell's convention for
-"killed by a signal"), without saving; the last complete checkpoint is intact.
+continues it, and exits with 75 (:data:`torchtune_ext.errors.EXIT_STOPPED`).
+A second signal stops at once (exit ``128 + signal number``, the shell's
+convention for "killed by a signal"), without saving; the last complete
+checkpoint is intact.
 
 Why 75: it is ``EX_TEMPFAIL`` of ``sysexits.h``, "a temporary failure; the
 user is invited to retry". A job script can tell it from success (0), a
@@ -40,9 +41,10 @@ import torch
 import torch.distributed as dist
 
 from torchtune_ext.checkpoint import latest_checkpoint
-from torchtune_ext.launch import EXIT_STOPPED, finish_wandb, record_outcome, write_line
+from torchtune_ext import ranks
+from torchtune_ext.errors import EXIT_STOPPED
+from torchtune_ext.launch import finish_wandb, record_outcome, write_line
 
-STOPPED_EXIT_STATUS = EXIT_STOPPED  # 75, EX_TEMPFAIL: a checkpoint was saved; resume to continue
 REPEAT_WINDOW_S = 1.0
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -62,10 +64,10 @@ def resume_command(argv: Optional[list] = None) -> str:
     argv = list(sys.argv if argv is None else argv)
     recipe, args = argv[0], [a for a in argv[1:] if not a.startswith("resume_from_checkpoint=")]
     launcher = ["tune", "run"]
-    nproc = os.environ.get("LOCAL_WORLD_SIZE")
-    if nproc is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        launcher += ["--nproc_per_node", nproc]
-        if int(os.environ["WORLD_SIZE"]) > int(nproc):
+    nproc = ranks.local_world_size()
+    if nproc is not None and ranks.world_size() > 1:
+        launcher += ["--nproc_per_node", str(nproc)]
+        if ranks.world_size() > nproc:
             launcher += ["<your torchrun flags for the other nodes>"]
     if not recipe.endswith(".py") and "/" not in recipe:  # tune run passes a custom recipe as a module path
         recipe = recipe.replace(".", "/") + ".py"
@@ -137,34 +139,34 @@ class GracefulStop:
     def requested(self) -> bool:
         """Whether to stop now; every rank gets the same answer (collective: call on all ranks)."""
         stop = self._signal is not None
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if ranks.several_processes():
             flag = torch.tensor([int(stop)], device=self._device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             stop = bool(flag.item())
         return stop
 
     def stop(self, checkpoint: Optional[Path], step: int) -> int:
-        """Report the stop after optimizer step ``step``; returns :data:`STOPPED_EXIT_STATUS`.
+        """Report the stop after optimizer step ``step``; returns :data:`EXIT_STOPPED`.
 
         Args:
             checkpoint: the checkpoint just saved (or the one the run resumed
                 from), None if the run stopped before its first step.
             step: optimizer steps completed.
         """
-        finish_wandb(STOPPED_EXIT_STATUS)  # W&B's summary before the line, not after it
+        finish_wandb(EXIT_STOPPED)  # W&B's summary before the line, not after it
         if self._rank == 0:  # the main thread, with the progress bar maybe still drawn
             cause = signal.Signals(self._signal).name if self._signal is not None else "a signal on another rank"
             if checkpoint is None:
                 write_line(f"Stopped on {cause} before the first optimizer step: nothing to save, start again "
-                           f"with the same command (exit status {STOPPED_EXIT_STATUS})")
+                           f"with the same command (exit status {EXIT_STOPPED})")
             else:
                 write_line(f"Stopped on {cause} after optimizer step {step}; checkpoint: {checkpoint}. "
-                           f"Continue with: {resume_command()}  (exit status {STOPPED_EXIT_STATUS})")
-            record_outcome(STOPPED_EXIT_STATUS)  # for torchrun's launcher, which the signal may have reached too
-        self._exit_status = STOPPED_EXIT_STATUS
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                           f"Continue with: {resume_command()}  (exit status {EXIT_STOPPED})")
+            record_outcome(EXIT_STOPPED)  # for torchrun's launcher, which the signal may have reached too
+        self._exit_status = EXIT_STOPPED
+        if ranks.several_processes():
             dist.barrier()  # no rank exits (and makes torchrun stop the others) before this is said
-        return STOPPED_EXIT_STATUS
+        return EXIT_STOPPED
 
     def finished(self) -> int:
         """Training ran to its end; returns 0, the exit status.

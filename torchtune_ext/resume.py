@@ -39,7 +39,8 @@ from omegaconf import DictConfig, OmegaConf
 from torchtune.utils import get_logger
 
 from torchtune_ext.checkpoint import ResumeState
-from torchtune_ext.config import ConfigError, lora_settings
+from torchtune_ext.config import lora_settings
+from torchtune_ext.errors import ConfigError
 
 log = get_logger()
 

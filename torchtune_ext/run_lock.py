@@ -38,7 +38,9 @@ from typing import IO, Any, Dict, Optional
 
 import torch.distributed as dist
 
-from torchtune_ext.config import ConfigError, output_dir_refused, output_dir_taken
+from torchtune_ext import ranks
+from torchtune_ext.config import output_dir_refused, output_dir_taken
+from torchtune_ext.errors import ConfigError
 from torchtune_ext.launch import record_output_dir
 
 LOCK_FILE = ".run.lock"
@@ -126,7 +128,7 @@ class OutputDirLock:
         who = None
         if rank == 0:
             who = self._acquire(Path(output_dir))
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if ranks.several_processes():
             box = [who]
             dist.broadcast_object_list(box, src=0)
             who = box[0]

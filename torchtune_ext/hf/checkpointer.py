@@ -32,7 +32,7 @@ from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
 from torchtune_ext.checkpoint import ADAPTER_DIR, MANIFEST, RECIPE_STATE
-from torchtune_ext.config import ConfigError
+from torchtune_ext.errors import ConfigError
 from torchtune_ext.hf.lora import peft_model_from_state
 from torchtune_ext.hf.model import check_model_folder
 

@@ -46,7 +46,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, 
 from transformers.utils import is_flash_attn_2_available
 
 from torchtune_ext import distributed
-from torchtune_ext.config import ConfigError
+from torchtune_ext.errors import ConfigError
 from torchtune_ext.loss import OutputProjection
 
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flex_attention")

@@ -22,10 +22,9 @@ import sys
 from typing import List, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from torchtune_ext import step
+from torchtune_ext import ranks, step
 from torchtune_ext.accounting import TokenTotals, count_trainable_tokens
 from torchtune_ext.loss import SummedCrossEntropyLoss
 
@@ -58,7 +57,7 @@ def mean_of_means_forward_backward(
     Raises:
         RuntimeError: under data parallelism (the control is single-device).
     """
-    if dp_group is not None or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+    if dp_group is not None or ranks.several_processes():
         raise RuntimeError("the parity report's control case runs on a single device only")
     num_micro_batches = len(micro_batches)
     mean_of_means = torch.zeros((), dtype=torch.float32, device=device)
