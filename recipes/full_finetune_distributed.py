@@ -21,8 +21,9 @@ import torch
 from omegaconf import DictConfig
 from torchtune import config, training
 
-from torchtune_ext import distributed, launch
+from torchtune_ext import distributed
 from torchtune_ext.checkpoint import expected_checkpoint_bytes
+from torchtune_ext.control import exits
 from torchtune_ext.config import DISTRIBUTED_KEYS
 from torchtune_ext.loop import TrainingRun, run_recipe
 from torchtune_ext.models import build_model, shard_model
@@ -78,11 +79,11 @@ class FullFinetuneRecipeDistributed:
         self.run.cleanup()
 
 
-@launch.exit_on_user_error  # outside config.parse: it also checks the command line torchtune parses
+@exits.exit_on_user_error  # outside config.parse: it also checks the command line torchtune parses
 @config.parse
 def recipe_main(cfg: DictConfig) -> int:
     return run_recipe(FullFinetuneRecipeDistributed, cfg, extra_keys=DISTRIBUTED_KEYS)
 
 
 if __name__ == "__main__":
-    launch.run_main(recipe_main)
+    exits.run_main(recipe_main)

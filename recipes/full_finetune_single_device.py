@@ -19,8 +19,8 @@ import torch
 from omegaconf import DictConfig
 from torchtune import config, training
 
-from torchtune_ext import launch
 from torchtune_ext.checkpoint import expected_checkpoint_bytes
+from torchtune_ext.control import exits
 from torchtune_ext.loop import TrainingRun, run_recipe
 from torchtune_ext.models import build_model, load_model_state
 from torchtune_ext.runtime import embedding_rows_into_grad, wrap_activations
@@ -71,11 +71,11 @@ class FullFinetuneRecipeSingleDevice:
         self.run.cleanup()
 
 
-@launch.exit_on_user_error  # outside config.parse: it also checks the command line torchtune parses
+@exits.exit_on_user_error  # outside config.parse: it also checks the command line torchtune parses
 @config.parse
 def recipe_main(cfg: DictConfig) -> int:
     return run_recipe(FullFinetuneRecipeSingleDevice, cfg)
 
 
 if __name__ == "__main__":
-    launch.run_main(recipe_main)
+    exits.run_main(recipe_main)

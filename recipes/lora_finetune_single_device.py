@@ -27,8 +27,8 @@ from omegaconf import DictConfig
 from torchtune import config, training
 from torchtune.modules.peft import set_trainable_params
 
-from torchtune_ext import launch
 from torchtune_ext.checkpoint import expected_checkpoint_bytes
+from torchtune_ext.control import exits
 from torchtune_ext.config import LORA_KEYS
 from torchtune_ext.lora import load_lora_weights, lora_checkpoint_state
 from torchtune_ext.loop import TrainingRun, run_recipe
@@ -91,11 +91,11 @@ class LoRAFinetuneRecipeSingleDevice:
         self.run.cleanup()
 
 
-@launch.exit_on_user_error  # outside config.parse: it also checks the command line torchtune parses
+@exits.exit_on_user_error  # outside config.parse: it also checks the command line torchtune parses
 @config.parse
 def recipe_main(cfg: DictConfig) -> int:
     return run_recipe(LoRAFinetuneRecipeSingleDevice, cfg, extra_keys=LORA_KEYS)
 
 
 if __name__ == "__main__":
-    launch.run_main(recipe_main)
+    exits.run_main(recipe_main)

@@ -13,7 +13,8 @@ import resume_jobs
 from helpers import REPO_ROOT
 from torchtune_ext import checkpoint
 from torchtune_ext.checkpoint import DiskSpaceError, list_checkpoints, verify_checkpoint
-from torchtune_ext.config import ConfigError, output_dir_unchanged_on_error
+from torchtune_ext.config import ConfigError
+from torchtune_ext.control.rollback import output_dir_unchanged_on_error
 
 RECIPE = "recipes/full_finetune_single_device.py"
 
@@ -156,8 +157,8 @@ def test_a_failed_setup_removes_what_it_added_at_any_depth_and_finishes_wandb_fi
     """A resume's setup adds logs/config_<N>.yaml and a W&B segment inside the existing logs/: they go, with
     what setup created at the top (the staging folder); every file that was there stays as it was. The W&B
     run is finished (with the status the run will end with) before its folder is removed."""
-    from torchtune_ext import launch
-    from torchtune_ext.run_lock import OutputDirLock
+    from torchtune_ext.control import rollback
+    from torchtune_ext.control.run_lock import OutputDirLock
 
     out = tmp_path / "out"
     old = {"logs/metrics.jsonl": "{}\n", "logs/config_1.yaml": "a: 1\n", "logs/wandb/offline-run-1/run.wandb": "x",
@@ -166,7 +167,7 @@ def test_a_failed_setup_removes_what_it_added_at_any_depth_and_finishes_wandb_fi
         (out / name).parent.mkdir(parents=True, exist_ok=True)
         (out / name).write_text(text)
     finished = []
-    monkeypatch.setattr(launch, "finish_wandb",
+    monkeypatch.setattr(rollback, "finish_wandb",
                         lambda code, quiet: finished.append((code, quiet, (out / "logs/wandb/offline-run-2").exists())))
     with pytest.raises(type(error)):
         with output_dir_unchanged_on_error(str(out)):
@@ -269,9 +270,10 @@ def test_an_unreadable_output_dir_is_one_config_error_for_a_new_run(setup_yaml, 
     import os
 
     from torchtune_ext.config import validate
+    from torchtune_ext.resume import check_resume_point
 
     out = tmp_path / "out"
-    cfg = OmegaConf.load(write_config(setup_yaml, out))
+    cfg = validate(OmegaConf.load(write_config(setup_yaml, out)))
     out.mkdir()
     real = os.listdir
 
@@ -282,4 +284,4 @@ def test_an_unreadable_output_dir_is_one_config_error_for_a_new_run(setup_yaml, 
 
     monkeypatch.setattr(os, "listdir", listdir)
     with pytest.raises(ConfigError, match=rf"^config key 'output_dir': '{out}' cannot be read \(PermissionError: "):
-        validate(cfg)
+        check_resume_point(cfg)

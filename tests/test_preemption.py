@@ -18,9 +18,8 @@ from omegaconf import OmegaConf
 import resume_jobs
 from helpers import REPO_ROOT, read_jsonl, run_tune
 from torchtune_ext.checkpoint import MANIFEST, list_checkpoints, verify_checkpoint
-from torchtune_ext.launch import OUTCOME_FILE_ENV
-from torchtune_ext.errors import EXIT_STOPPED
-from torchtune_ext.preemption import REPEAT_WINDOW_S, resume_command
+from torchtune_ext.errors import EXIT_STOPPED, OUTCOME_FILE_ENV
+from torchtune_ext.control.preemption import REPEAT_WINDOW_S, resume_command
 
 RECIPE = "recipes/full_finetune_single_device.py"
 LONG = ["epochs=12"]  # 48 steps of a few milliseconds each: the signal arrives mid-run
@@ -87,7 +86,7 @@ def test_signal_saves_says_how_to_resume_and_resumes_exactly(tiny, tmp_path, sig
 SCRIPT = textwrap.dedent("""
     import os, signal, sys, time
     import torch
-    from torchtune_ext.preemption import GracefulStop
+    from torchtune_ext.control.preemption import GracefulStop
     stop = GracefulStop(torch.device("cpu"), output_dir=sys.argv[1] or None)
     assert not stop.requested()
     os.kill(os.getpid(), signal.SIGTERM)
@@ -158,7 +157,7 @@ def test_a_scheduler_signalling_the_whole_job_gets_the_workers_exit_status(tiny,
 FINISHED_SCRIPT = textwrap.dedent("""
     import os, signal, time
     import torch
-    from torchtune_ext.preemption import GracefulStop
+    from torchtune_ext.control.preemption import GracefulStop
     stop = GracefulStop(torch.device("cpu"))
     assert stop.finished() == 0   # training ran to its end; the cleanup (W&B's finish) follows
     os.kill(os.getpid(), signal.SIGTERM)
@@ -192,7 +191,7 @@ def test_resume_command_names_the_recipe_file(monkeypatch):
 
 LATE_SIGNAL_SCRIPT = textwrap.dedent("""
     import atexit, os, signal, sys, time
-    from torchtune_ext import launch
+    from torchtune_ext.control import exits
 
     def late_signal():  # as W&B's exit hook, which takes seconds: a scheduler's SIGTERM arrives meanwhile
         os.kill(os.getpid(), signal.SIGTERM)
@@ -213,7 +212,7 @@ LATE_SIGNAL_SCRIPT = textwrap.dedent("""
             sys.exit(2)  # report_and_exit's way
         return int(sys.argv[1])
 
-    launch.run_main(recipe_main)
+    exits.run_main(recipe_main)
 """)
 
 

@@ -126,7 +126,8 @@ def test_nonfinite_values_stop_and_never_recommend_a_later_checkpoint(tiny_run):
 
 
 CONFIG_ERRORS = {
-    # override -> words the error must contain; caught by validate() before any work
+    # override -> words the error must contain; caught by validate() (or, for where a run starts,
+    # check_resume_point()) before any work
     "batch_size=0": ["batch_size", "positive integer"],
     "gradient_accumulation_steps=-1": ["gradient_accumulation_steps", "positive integer"],
     "gradient_accumulation_steps=2.5": ["gradient_accumulation_steps", "positive integer"],
@@ -150,11 +151,12 @@ CONFIG_ERRORS = {
 @pytest.mark.parametrize("override", sorted(CONFIG_ERRORS))
 def test_config_errors_name_the_key(tiny_run, override):
     from torchtune_ext.config import ConfigError, validate
+    from torchtune_ext.resume import check_resume_point
 
     config = tiny_run(gradient_accumulation_steps=2)
     cfg = OmegaConf.merge(OmegaConf.load(config), OmegaConf.from_dotlist([override]))
     with pytest.raises(ConfigError) as err:
-        validate(cfg)
+        check_resume_point(validate(cfg))
     for word in CONFIG_ERRORS[override]:
         assert word in str(err.value)
 

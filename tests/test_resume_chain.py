@@ -28,7 +28,7 @@ import resume_jobs
 from helpers import REPO_ROOT
 from torchtune_ext.checkpoint import list_checkpoints, verify_checkpoint
 from torchtune_ext.errors import EXIT_STOPPED
-from torchtune_ext.run_lock import OutputDirLock
+from torchtune_ext.control.run_lock import OutputDirLock
 
 TOL = 1e-5
 STOPS = list(range(1, 11))  # ten stops: a fresh run, nine resumes that stop again, a tenth that finishes

@@ -4,7 +4,7 @@ A recipe calls :func:`validate` on the parsed OmegaConf config before it
 builds anything. ``validate`` fills in defaults, checks types and ranges,
 checks that input files exist, and raises :class:`ConfigError` naming the
 offending key and what is expected.
-:func:`torchtune_ext.launch.exit_on_user_error` turns such expected mistakes
+:func:`torchtune_ext.control.exits.exit_on_user_error` turns such expected mistakes
 into one clear line on stderr and exit status 2, without a traceback and
 before anything is written.
 """
@@ -14,14 +14,13 @@ import importlib
 import inspect
 import logging
 import os
-import shutil
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple
 
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from torchtune_ext import ranks
-from torchtune_ext.errors import DOWNLOAD_COMMAND, ConfigError, UserError
+from torchtune_ext.errors import DOWNLOAD_COMMAND, ConfigError, UserError  # noqa: F401 (UserError: a public name here)
 from torchtune_ext.text import closest
 from torchtune_ext.upstream import check_model_type, download_command
 
@@ -494,7 +493,7 @@ _OTHER_NAMES = {"val_batch_size": "batch_size_val", "eval_batch_size": "batch_si
 
 
 # The keys of this process's command-line overrides (``key=value``), while the recipe's entry point runs
-# (torchtune_ext.launch.exit_on_user_error sets them before torchtune merges them into the YAML): validate
+# (torchtune_ext.control.exits.exit_on_user_error sets them before torchtune merges them into the YAML): validate
 # refuses one whose top-level key the recipe does not have; the same key in the YAML file is a warning only.
 _command_line_keys: Tuple[str, ...] = ()
 
@@ -505,7 +504,7 @@ def command_line_keys(keys: Iterable[str]) -> Iterator[None]:
 
     Args:
         keys: dotted keys of the ``key=value`` overrides typed on the command
-            line (``optimizer.lr``), as :func:`torchtune_ext.launch.check_command_line` returns them.
+            line (``optimizer.lr``), as :func:`torchtune_ext.control.command_line.check_command_line` returns them.
     """
     global _command_line_keys
     outer, _command_line_keys = _command_line_keys, tuple(keys)
@@ -818,45 +817,6 @@ def _check_combinations(cfg: DictConfig, training: bool = True) -> None:
 
         if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():  # no CUDA: said by the device check
             raise ConfigError("dtype", "bf16 is not supported by this CUDA device; use dtype=fp32")
-    if not training:
-        return
-    if cfg.resume_from_checkpoint:
-        from torchtune_ext.checkpoint import incomplete_checkpoints, latest_checkpoint, verify_checkpoint
-
-        latest = latest_checkpoint(cfg.output_dir)
-        if latest is None:
-            raise ConfigError(
-                "resume_from_checkpoint",
-                f"no complete checkpoint (step_<N>/ with checkpoint.json) in output_dir '{cfg.output_dir}'",
-            )
-        for folder in incomplete_checkpoints(cfg.output_dir):
-            # A later save of that step would collide with it; an earlier one is merely ignored.
-            if int(folder.name.split("_")[1]) > int(latest.name.split("_")[1]):
-                raise ConfigError("output_dir", f"'{folder}' has no checkpoint.json, so it is not a complete "
-                                  f"checkpoint and this run would later save over it; move it out of "
-                                  f"'{cfg.output_dir}' (resuming continues from '{latest}')")
-            log.warning("'%s' has no checkpoint.json: not a complete checkpoint, ignored.", folder)
-        verify_checkpoint(latest, content=cfg.verify_checkpoint_hashes)  # before anything loads from it
-    elif any(name.startswith("step_") for name in _listdir(cfg.output_dir)):
-        raise ConfigError(
-            "output_dir",
-            f"'{cfg.output_dir}' already holds checkpoints of a run; set resume_from_checkpoint=true to "
-            "continue it, or choose another output_dir (nothing is overwritten)",
-        )
-
-
-def _check_not_in_use(output_dir: str) -> None:
-    from torchtune_ext.run_lock import check_not_in_use
-
-    check_not_in_use(output_dir)
-
-
-def _listdir(path: str):
-    try:
-        return os.listdir(path) if os.path.isdir(path) else []
-    except OSError as err:  # no read permission: which checkpoints it holds cannot be told
-        raise ConfigError("output_dir", f"'{path}' cannot be read ({type(err).__name__}: {err}); give this user "
-                          f"read access to it (e.g. chmod u+rwx '{path}') or choose another output_dir") from None
 
 
 _MISSING_HINTS = {"model_dir": ": the folder of a Hugging Face model as `huggingface-cli download` leaves it "
@@ -908,8 +868,6 @@ def validate(cfg: DictConfig, extra_keys: Optional[Dict[str, Key]] = None,
         spec.check(key, OmegaConf.to_object(cfg[key]) if OmegaConf.is_config(cfg[key]) else cfg[key])
 
     _resolve_backward(cfg, backward_given)
-    if training:  # evaluating a checkpoint may read a folder a run is writing
-        _check_not_in_use(cfg.output_dir)
     _check_validation(cfg, training)
     _check_combinations(cfg, training)
     if training:
@@ -929,103 +887,3 @@ def validate(cfg: DictConfig, extra_keys: Optional[Dict[str, Key]] = None,
         if not torch.cuda.is_available():
             raise ConfigError("device", "cuda requested but no CUDA device is available; use device=cpu")
     return cfg
-
-
-@dataclass
-class _Rollback:
-    """What a rollback block may remove: set when this process's run takes the folder's lock inside it."""
-
-    before: Optional[set] = None  # what the folder held when the run took it; None: not taken (yet)
-    created_folder: bool = False
-    created_files: Tuple[str, ...] = ()
-    refused: bool = False
-
-
-# The rollback blocks open in this process, by absolute output_dir (torchtune_ext.run_lock reports to them).
-_ROLLBACKS: Dict[str, _Rollback] = {}
-
-
-def output_dir_taken(path: str, created_folder: bool = False, created_files: Tuple[str, ...] = ()) -> None:
-    """This run (its rank 0) has just taken the lock of ``path``: what the folder holds now is not its to remove.
-
-    Called by :class:`torchtune_ext.run_lock.OutputDirLock` on every rank of
-    the job that holds the folder. ``created_folder`` / ``created_files``
-    (relative to ``path``): what taking the lock created, which this run
-    removes if its setup fails. No effect outside
-    :func:`output_dir_unchanged_on_error`.
-    """
-    state = _ROLLBACKS.get(os.path.abspath(path))
-    if state is not None:
-        state.before = _tree(path) if os.path.isdir(path) else set()
-        state.created_folder, state.created_files = created_folder, tuple(created_files)
-
-
-def output_dir_refused(path: str) -> None:
-    """Another run holds ``path``: the rollback of this run's setup touches nothing in it."""
-    state = _ROLLBACKS.get(os.path.abspath(path))
-    if state is not None:
-        state.refused = True
-
-
-@contextlib.contextmanager
-def output_dir_unchanged_on_error(path: str) -> Iterator[None]:
-    """Undo what this run's setup created in ``output_dir`` if setup fails.
-
-    On any exception inside the block (bad input, or a crash while loading),
-    what appeared in ``path`` after this run took the folder's lock
-    (:class:`torchtune_ext.run_lock.OutputDirLock`, the first thing setup
-    writes) is removed, at any depth, and so are the lock file and ``path``
-    itself if taking the lock created them: the staging folder the
-    checkpointer creates, a new ``logs/``, and on a resume the new
-    ``logs/config_<N>.yaml`` and W&B run segment. What was there when the lock
-    was taken is another run's or the user's, and stays: two runs started
-    together in one folder both enter this block before either has created
-    anything, and the one refused the lock removes nothing at all. A setup
-    that failed before taking the lock has written nothing, and nothing is
-    removed. A W&B run started in the block is finished first (as failed,
-    without its summary), so that W&B neither writes into nor names a removed
-    folder. Use it around a recipe's ``setup()`` only: training writes are
-    never rolled back.
-    """
-    key = os.path.abspath(path)
-    state, outer = _Rollback(), _ROLLBACKS.get(key)
-    _ROLLBACKS[key] = state
-    try:
-        yield
-    except BaseException as err:
-        from torchtune_ext.launch import EXIT_USER_ERROR, finish_wandb
-
-        finish_wandb(EXIT_USER_ERROR if isinstance(err, UserError) else 1, quiet=True)  # the run's own status
-        if state.before is not None and not state.refused:
-            _remove_new_entries(path, state)
-        raise
-    finally:
-        if outer is None:
-            del _ROLLBACKS[key]
-        else:
-            _ROLLBACKS[key] = outer
-
-
-def _remove_new_entries(path: str, state: _Rollback) -> None:
-    # Other ranks of the job on the same host remove the same entries at the same time: a missing one is fine
-    if state.created_folder:
-        shutil.rmtree(path, ignore_errors=True)
-        return
-    if not os.path.isdir(path):
-        return
-    for name in sorted((_tree(path) - state.before) | set(state.created_files)):  # a folder before its content
-        target = os.path.join(path, name)
-        if os.path.isdir(target) and not os.path.islink(target):
-            shutil.rmtree(target, ignore_errors=True)
-        else:
-            with contextlib.suppress(FileNotFoundError):  # inside a folder removed just before
-                os.remove(target)
-
-
-def _tree(path: str) -> set:
-    """Paths of everything under ``path``, relative to it (links are not followed)."""
-    found = set()
-    for root, dirs, files in os.walk(path):
-        rel = os.path.relpath(root, path)
-        found.update(os.path.normpath(os.path.join(rel, name)) for name in dirs + files)
-    return found

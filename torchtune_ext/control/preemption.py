@@ -14,7 +14,7 @@ crash (1), a bad config (2) and a kill without a checkpoint (137 for SIGKILL,
 143 for SIGTERM): 75 means "a checkpoint was saved; resume to continue".
 
 Under ``tune run --nproc_per_node N`` the launcher exits 75 as well, without
-torchrun's failure report (:func:`torchtune_ext.launch.quiet_reported_failures`).
+torchrun's failure report (:func:`torchtune_ext.control.launcher.quiet_reported_failures`).
 
 Under torchrun every rank must stop after the same optimizer step: saving
 gathers the model from all ranks. Each rank checks before every step, and the
@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torchtune_ext.checkpoint import latest_checkpoint
 from torchtune_ext import ranks
 from torchtune_ext.errors import EXIT_STOPPED
-from torchtune_ext.launch import finish_wandb, record_outcome, write_line
+from torchtune_ext.control.exits import finish_wandb, record_outcome, write_line
 
 REPEAT_WINDOW_S = 1.0
 SIGNALS = (signal.SIGTERM, signal.SIGINT)

@@ -10,7 +10,7 @@ the holding process ends, however it ends (crash, ``kill -9``, power loss of
 a node holding an NFS lock once its lease expires), so no stale lock can
 block a resume. The file stays while the run lives; only a run whose setup
 fails removes it again, with the folder, if that run created them
-(:func:`torchtune_ext.config.output_dir_unchanged_on_error`). A run waiting
+(:func:`torchtune_ext.control.rollback.output_dir_unchanged_on_error`). A run waiting
 for the lock at that moment would then hold a lock on a removed file, and a
 later run could lock a new file of the same name beside it: so a lock counts
 only once the file locked is still the one at the path, and is taken again
@@ -18,7 +18,7 @@ otherwise.
 
 A run refused the lock has created nothing that it may remove: the folder
 and the lock file belong to the holder. The lock tells the rollback of setup
-what this run may remove (:func:`torchtune_ext.config.output_dir_taken`):
+what this run may remove (:func:`torchtune_ext.control.rollback.output_dir_taken`):
 what appears in the folder after this run took it, plus the folder and the
 lock file if it created them.
 
@@ -39,9 +39,9 @@ from typing import IO, Any, Dict, Optional
 import torch.distributed as dist
 
 from torchtune_ext import ranks
-from torchtune_ext.config import output_dir_refused, output_dir_taken
+from torchtune_ext.control.exits import record_output_dir
+from torchtune_ext.control.rollback import output_dir_refused, output_dir_taken
 from torchtune_ext.errors import ConfigError
-from torchtune_ext.launch import record_output_dir
 
 LOCK_FILE = ".run.lock"
 # An exclusive lock can briefly fail while another rank of the same job probes
