@@ -7,7 +7,6 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from test_config import cfg  # noqa: F401  (the minimal valid config fixture)
 from torchtune_ext.config import DISTRIBUTED_KEYS, LORA_KEYS, ConfigError, validate
 
 
