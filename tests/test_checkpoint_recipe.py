@@ -11,8 +11,7 @@ from omegaconf import OmegaConf, open_dict
 
 import resume_jobs
 from helpers import REPO_ROOT
-from torchtune_ext import checkpoint
-from torchtune_ext.checkpoint import DiskSpaceError, list_checkpoints, verify_checkpoint
+from torchtune_ext.checkpoint import DiskSpaceError, list_checkpoints, verify_checkpoint, writer
 from torchtune_ext.config import ConfigError
 from torchtune_ext.control.rollback import output_dir_unchanged_on_error
 
@@ -52,6 +51,7 @@ def error_lines(proc):
     return [line[line.index("error:"):] for line in proc.stderr.splitlines() if "error:" in line]  # after the bar
 
 
+@pytest.mark.slow
 def test_save_messages_tell_the_truth(setup_yaml, tmp_path):
     """One accurate line per checkpoint; none of torchtune's lines about ".staging/epoch_N" or a "final" save;
     the disk use to expect at start-up; by default the two newest checkpoints are kept."""
@@ -77,11 +77,12 @@ def test_save_messages_tell_the_truth(setup_yaml, tmp_path):
 
 
 def parse_bytes(text: str) -> float:
-    """``'422 KiB'`` -> 432128.0: the inverse of :func:`torchtune_ext.checkpoint.format_bytes`."""
+    """``'422 KiB'`` -> 432128.0: the inverse of :func:`torchtune_ext.text.format_bytes`."""
     number, unit = text.split()
     return float(number) * 1024 ** ["B", "KiB", "MiB", "GiB"].index(unit)
 
 
+@pytest.mark.slow
 def test_disk_full_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(setup_yaml, tmp_path):
     out = tmp_path / "out"
     config = write_config(setup_yaml, out, "save_every_n_steps=1")
@@ -102,6 +103,7 @@ def test_disk_full_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(s
     assert sorted(resume_jobs.by_step(out)) == list(range(1, 13))
 
 
+@pytest.mark.slow
 def test_a_write_that_fails_during_a_save_is_one_line(setup_yaml, tmp_path):
     """A real failing write (a file size limit, so torch.save fails with room on the disk), at the first save:
     one line naming the checkpoint, exit 74, no staging left, and no resume suggested (there is nothing to resume);
@@ -124,11 +126,12 @@ def test_a_write_that_fails_during_a_save_is_one_line(setup_yaml, tmp_path):
     assert sorted(resume_jobs.by_step(out)) == list(range(1, 13))
 
 
+@pytest.mark.slow
 def test_no_room_for_one_checkpoint_stops_before_training(setup_yaml, tmp_path, monkeypatch):
     out = tmp_path / "out"
     cfg = resume_jobs.config(setup_yaml, "full_single", out)
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 10**5, 10**5))
+    monkeypatch.setattr(writer.shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 10**5, 10**5))
     recipe = resume_jobs.recipe_class(*resume_jobs.RECIPES["full_single"][:2])(cfg)
     with pytest.raises(DiskSpaceError, match="not enough free disk space for one checkpoint in .*: it needs about "
                                              r"\d+ KiB, 97.7 KiB are free"):
@@ -137,6 +140,7 @@ def test_no_room_for_one_checkpoint_stops_before_training(setup_yaml, tmp_path, 
     assert not out.exists()  # nothing left behind
 
 
+@pytest.mark.slow
 def test_a_file_named_like_the_staging_folder_stops_before_training(setup_yaml, tmp_path):
     """Found when the checkpointer is built, before training, naming the key; the user's file stays."""
     out = tmp_path / "out"
@@ -190,13 +194,14 @@ def snapshot(folder):
             for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.slow
 def test_same_size_damage_to_a_checkpoint_stops_the_resume_with_one_line(setup_yaml, tmp_path):
     """Issue 33 F11: 50% of recipe_state.pt zeroed at the same size resumed with exit 0 and other weights.
     Now: one line naming the file, exit 2, before anything loads; nothing in the output_dir changes.
     verify_checkpoint_hashes=false turns the content check off (sizes are still checked)."""
-    from test_checkpoint import damage_same_size
-
+    from helpers import damage_same_size
     from torchtune_ext.config import validate
+    from torchtune_ext.resume import check_resume_point
 
     out = tmp_path / "out"
     config = write_config(setup_yaml, out, "epochs=1", "max_steps_per_epoch=1")
@@ -215,16 +220,16 @@ def test_same_size_damage_to_a_checkpoint_stops_the_resume_with_one_line(setup_y
     cfg = OmegaConf.load(config)
     cfg.resume_from_checkpoint = True
     cfg.verify_checkpoint_hashes = False
-    validate(cfg)  # the check is off: sizes match
+    check_resume_point(validate(cfg))  # the check is off: sizes match
 
 
 @pytest.mark.parametrize("which", ["step_1", "step_2"], ids=["older", "newest"])
 def test_an_unreadable_step_folder_is_one_config_error_when_the_config_is_checked(setup_yaml, tmp_path, monkeypatch,
                                                                                     which):
     """Issue 33 F4: chmod 000 on a step folder gave a PermissionError traceback from validation (exit 1)."""
-    from test_checkpoint import deny
-
+    from helpers import deny
     from torchtune_ext.config import validate
+    from torchtune_ext.resume import check_resume_point
 
     out = tmp_path / "out"
     cfg = OmegaConf.load(write_config(setup_yaml, out))
@@ -234,9 +239,10 @@ def test_an_unreadable_step_folder_is_one_config_error_when_the_config_is_checke
     cfg.resume_from_checkpoint = True
     deny(monkeypatch, out / which)
     with pytest.raises(ConfigError, match=rf"^config key 'output_dir': '{out / which}' cannot be read"):
-        validate(cfg)
+        check_resume_point(validate(cfg))
 
 
+@pytest.mark.slow
 def test_a_disk_that_fills_during_a_step_stops_in_seconds_naming_the_checkpoint(setup_yaml, tmp_path):
     """Issue 33 F3: the metrics write of step 5 fails with ENOSPC (tests/full_disk/sitecustomize.py, with W&B
     on): exit 74 and one line naming step_4, the checkpoint to resume from, instead of an OSError traceback
