@@ -23,8 +23,8 @@ from torchtune import config, training
 
 from torchtune_ext import distributed
 from torchtune_ext.checkpoint import expected_checkpoint_bytes
-from torchtune_ext.control import exits
 from torchtune_ext.config import DISTRIBUTED_KEYS
+from torchtune_ext.control import exits
 from torchtune_ext.loop import TrainingRun, run_recipe
 from torchtune_ext.models import build_model, shard_model
 from torchtune_ext.runtime import wrap_activations

@@ -28,10 +28,10 @@ from torchtune import config, training
 from torchtune.modules.peft import set_trainable_params
 
 from torchtune_ext.checkpoint import expected_checkpoint_bytes
-from torchtune_ext.control import exits
 from torchtune_ext.config import LORA_KEYS
-from torchtune_ext.lora import load_lora_weights, lora_checkpoint_state
+from torchtune_ext.control import exits
 from torchtune_ext.loop import TrainingRun, run_recipe
+from torchtune_ext.lora import load_lora_weights, lora_checkpoint_state
 from torchtune_ext.models import adapter_params, build_model, initialize_adapters, load_model_state
 from torchtune_ext.runtime import use_low_cpu_ram, wrap_activations
 from torchtune_ext.upstream import describe_model

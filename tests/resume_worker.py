@@ -27,7 +27,6 @@ from torchtune_ext import distributed
 from torchtune_ext.config import ConfigError
 from torchtune_ext.control.run_lock import OutputDirLock, check_not_in_use
 
-
 # A native crash prints every thread's Python stack (rank 0 of this launch once died of
 # SIGSEGV under a loaded machine, with nothing to show where).
 faulthandler.enable()

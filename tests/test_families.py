@@ -15,17 +15,17 @@ holds; for LoRA the merged model in ``step_2`` equals base + (alpha / rank) B A
 from the saved adapter, and the base weights did not move.
 """
 
-import json
 
 import pytest
 import torch
 from omegaconf import OmegaConf
-from safetensors.torch import load_file
 
 from families import FAMILIES, model_config, recipe_overrides
 from helpers import read_jsonl, recipe_class, run_recipe
 from torchtune_ext.config import DISTRIBUTED_KEYS, LORA_KEYS, lora_settings, validate
 from torchtune_ext.upstream import packaged_configs
+
+pytestmark = pytest.mark.slow  # every test here runs a recipe or torchrun (pyproject.toml: markers)
 
 RECIPES = {
     "full": ("recipes/full_finetune_single_device.py", "FullFinetuneRecipeSingleDevice", None),

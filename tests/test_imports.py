@@ -12,6 +12,20 @@ from typing import Dict, List, Set, Tuple
 PACKAGE = "torchtune_ext"
 ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 
+# The layers of docs/architecture.md, by the module's (or package's) name under torchtune_ext: a module imports
+# from its own layer or those below, never from above.
+LAYERS = {
+    1: ("errors", "ranks", "text", "upstream", "flops", "assets", "gguf_to_hf", "download"),
+    2: ("config", "tokenizer"),
+    3: ("checkpoint",),
+    4: ("control", "_local_recipes"),
+    5: ("loss", "accounting", "grad_norm", "optim_in_bwd", "distributed", "hf", "models", "lora", "runtime",
+        "health", "memory", "preflight", "data_check", "data", "resume", "step", "metrics", "evaluate"),
+    6: ("loop", "parity_report"),
+}
+# The bottom of the stack: these import nothing of ours.
+LEAVES = ("errors", "ranks", "text")
+
 
 def _module_name(path: Path) -> str:
     parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
@@ -136,6 +150,27 @@ def test_an_import_runs_the_packages_on_the_way_except_the_importers_own():
 def test_no_import_cycle_among_the_library_modules():
     cycles = _cycles(_graph())
     assert not cycles, "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def _layer(module: str) -> int:
+    top = module.split(".")[1] if module.count(".") else ""
+    if not top:
+        return 0  # the package's own __init__
+    found = [layer for layer, names in LAYERS.items() if top in names]
+    assert found, f"{module} is in no layer of LAYERS (tests/test_imports.py, docs/architecture.md)"
+    return found[0]
+
+
+def test_imports_point_down_the_layers():
+    upward = [f"{name} (layer {_layer(name)}) imports {target} (layer {_layer(target)})"
+              for name, targets in _graph().items() for target in sorted(targets) if _layer(target) > _layer(name)]
+    assert not upward, "\n".join(upward)
+
+
+def test_the_leaves_import_nothing_of_ours():
+    graph = _graph()
+    for leaf in LEAVES:
+        assert graph[f"{PACKAGE}.{leaf}"] == set(), leaf
 
 
 def test_no_private_name_is_imported_from_another_module():

@@ -25,8 +25,17 @@ from omegaconf import OmegaConf
 from bench.analysis import parse_disk_log
 from bench.launch import OurInitialAdapter
 from helpers import REPO_ROOT, read_jsonl, recipe_class, run_recipe
-from tiny_setup import DIM, HEADS, HIDDEN, KV_HEADS, LAYERS, MAX_SEQ_LEN, write_checkpoint, write_dataset, \
-    write_tokenizer
+from tiny_setup import (
+    DIM,
+    HEADS,
+    HIDDEN,
+    KV_HEADS,
+    LAYERS,
+    MAX_SEQ_LEN,
+    write_checkpoint,
+    write_dataset,
+    write_tokenizer,
+)
 from torchtune_ext.config import LORA_KEYS, validate
 
 OURS = "recipes/lora_finetune_single_device.py"
@@ -107,6 +116,7 @@ def runs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("warmup", [0, 2], ids=["warmup0", "warmup2"])
+@pytest.mark.slow
 def test_from_the_same_adapter_upstream_logs_our_loss_and_grad_norm_at_every_step(runs, warmup):
     adapter = OurInitialAdapter(SEED)
     upstream = runs("upstream", warmup, adapter=adapter)
@@ -122,6 +132,7 @@ def test_from_the_same_adapter_upstream_logs_our_loss_and_grad_norm_at_every_ste
     assert any(norm > CLIP for _, norm in ours[max(warmup, 1) - 1:STEPS - 1])
 
 
+@pytest.mark.slow
 def test_from_its_own_adapter_upstream_parts_from_ours_after_the_first_update(runs):
     """What the benchmark measured before: with warm-up 2 the LR of step 1 is 0, so the losses of
     steps 1 and 2 are those of the base model (B = 0); step 2's update moves B, which A decides."""

@@ -86,6 +86,7 @@ def assert_checkpoints_whole(out):
     return checkpoints[-1]
 
 
+@pytest.mark.slow
 def test_workers_end_when_their_launcher_is_killed(setup_yaml, tmp_path):
     """Issue 33 F2: SIGKILL of the launcher left its workers training as orphans, saving unseen checkpoints,
     and a resume was refused as 'in use'. They end within seconds; every checkpoint is whole; the folder is
@@ -107,6 +108,7 @@ def test_workers_end_when_their_launcher_is_killed(setup_yaml, tmp_path):
 
 
 @pytest.mark.parametrize("rank", [1])
+@pytest.mark.slow
 def test_a_killed_worker_ends_the_job_with_one_line_naming_the_checkpoint(setup_yaml, tmp_path, rank):
     """Issue 33 F10: SIGKILL of one worker. The other worker and the launcher end without a traceback; the
     launcher's one line names the rank, the signal, the newest complete checkpoint and the command that

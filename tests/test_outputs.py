@@ -22,6 +22,8 @@ from helpers import recipe_class, run_recipe
 from torchtune_ext.config import LORA_KEYS, validate
 from torchtune_ext.upstream import packaged_configs
 
+pytestmark = pytest.mark.slow  # every test here runs a recipe or torchrun (pyproject.toml: markers)
+
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 

@@ -18,8 +18,8 @@ from omegaconf import OmegaConf
 import resume_jobs
 from helpers import REPO_ROOT, read_jsonl, run_tune
 from torchtune_ext.checkpoint import MANIFEST, list_checkpoints, verify_checkpoint
-from torchtune_ext.errors import EXIT_STOPPED, OUTCOME_FILE_ENV
 from torchtune_ext.control.preemption import REPEAT_WINDOW_S, resume_command
+from torchtune_ext.errors import EXIT_STOPPED, OUTCOME_FILE_ENV
 
 RECIPE = "recipes/full_finetune_single_device.py"
 LONG = ["epochs=12"]  # 48 steps of a few milliseconds each: the signal arrives mid-run
@@ -54,6 +54,7 @@ def write_config(tiny, out):
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.slow
 def test_signal_saves_says_how_to_resume_and_resumes_exactly(tiny, tmp_path, signum):
     out = tmp_path / "out"
     config = write_config(tiny, out)
@@ -75,7 +76,8 @@ def test_signal_saves_says_how_to_resume_and_resumes_exactly(tiny, tmp_path, sig
     if signum == signal.SIGINT:
         return  # the same path as SIGTERM from here on
 
-    resumed = run_tune(RECIPE, "--config", str(config), "resume_from_checkpoint=true", extra_env={"OMP_NUM_THREADS": "1"})
+    resumed = run_tune(RECIPE, "--config", str(config), "resume_from_checkpoint=true",
+                       extra_env={"OMP_NUM_THREADS": "1"})
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     got, ref = resume_jobs.by_step(out), tiny[1]
     assert sorted(got) == sorted(ref)
@@ -129,6 +131,7 @@ def test_second_signal_stops_at_once_and_names_the_checkpoint(tmp_path, saved):
 
 
 @pytest.mark.parametrize("save_fails", [False, True], ids=["saved", "save-failed"])
+@pytest.mark.slow
 def test_a_scheduler_signalling_the_whole_job_gets_the_workers_exit_status(tiny, tmp_path, save_fails):
     """SLURM and Kubernetes signal every process of the job, the ``tune`` launcher included: torchrun's agent then
     ends with its own SignalException, which carries no worker status. The launcher must still exit with rank 0's
@@ -222,7 +225,8 @@ def test_a_signal_while_the_interpreter_exits_keeps_the_decided_status(status, w
     """The recipe's handlers are gone once it returned; a SIGTERM during the interpreter's shutdown (W&B's exit hook)
     ended the process with 143 after a finished run or a saved stop, which a job script reads as a kill."""
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
-    proc = subprocess.run([sys.executable, "-c", LATE_SIGNAL_SCRIPT, status, when], env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", LATE_SIGNAL_SCRIPT, status, when], env=env, capture_output=True,
+                          text=True,
                           timeout=120)
     assert proc.returncode == (2 if status == "raise" else int(status)), proc.stderr
     assert "Traceback" not in proc.stderr

@@ -22,6 +22,8 @@ from helpers import REPO_ROOT, read_jsonl, recipe_class, run_recipe
 from torchtune_ext.config import LORA_KEYS, ConfigError, validate
 from torchtune_ext.upstream import packaged_configs
 
+pytestmark = pytest.mark.slow  # every test here runs a recipe or torchrun (pyproject.toml: markers)
+
 RECIPE = ("recipes/lora_finetune_single_device.py", "LoRAFinetuneRecipeSingleDevice")
 ARCH = dict(vocab_size=528, num_layers=2, num_heads=4, num_kv_heads=4, embed_dim=128, intermediate_dim=256,
             max_seq_len=256, tie_word_embeddings=True)

@@ -9,7 +9,13 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from helpers import (
-    REPO_ROOT, read_jsonl, recipe_class, rel_diff, run_recipe, run_tune, tiny_alpaca16_config,
+    REPO_ROOT,
+    read_jsonl,
+    recipe_class,
+    rel_diff,
+    run_recipe,
+    run_tune,
+    tiny_alpaca16_config,
 )
 from torchtune_ext import distributed
 from torchtune_ext.checkpoint import list_checkpoints
@@ -23,6 +29,7 @@ KEYS = {"step", "epoch", "loss", "lr", "grad_norm", "num_tokens", "tokens_per_se
 WEIGHTS = "model-00001-of-00001.safetensors"
 
 
+@pytest.mark.slow
 def test_real_checkpoint_two_steps(smollm2_assets, tmp_path):
     out = tmp_path / "run"
     proc = run_tune("--nproc_per_node", "2", RECIPE, "--config", CONFIG, f"output_dir={out}",
@@ -59,6 +66,7 @@ def tiny_config(assets, tmp_path, output_dir, *overrides):
                                 output_dir, *overrides)
 
 
+@pytest.mark.slow
 def test_resume_on_another_world_size(smollm2_assets, tmp_path):
     """A 2-rank run saved mid-epoch resumes on 1 rank (same global batch) and continues as it would have."""
     settings = ["max_steps_per_epoch=4", "save_every_n_steps=2", "gradient_accumulation_steps=2",
@@ -93,6 +101,7 @@ def test_config_checks_the_distributed_keys(smollm2_assets, tmp_path):
     assert validate(OmegaConf.load(CONFIG), extra_keys=DISTRIBUTED_KEYS).fsdp_cpu_offload is False
 
 
+@pytest.mark.slow
 def test_weights_that_do_not_fit_are_a_config_error(smollm2_assets, tmp_path):
     cfg = tiny_config(smollm2_assets, tmp_path, tmp_path / "run", "model.embed_dim=32", "model.num_heads=2",
                       "model.num_kv_heads=1")
@@ -104,6 +113,7 @@ def test_weights_that_do_not_fit_are_a_config_error(smollm2_assets, tmp_path):
         distributed.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_two_ranks_stop_together_with_one_line(smollm2_assets, tmp_path):
     """Under torchrun a bad input, a destroyed model and a save that fills the disk end the job with one line
     and the recipe's exit status (2, 3, 74), not torchrun's ChildFailedError report; the ranks agree on the step

@@ -7,6 +7,8 @@ import pytest
 from helpers import read_jsonl, run_tune
 from wandb_reader import read_offline_run
 
+pytestmark = pytest.mark.slow  # every test here runs a recipe or torchrun (pyproject.toml: markers)
+
 RECIPE = "recipes/full_finetune_single_device.py"
 KEYS = {"step", "epoch", "loss", "lr", "grad_norm", "num_tokens", "tokens_per_second", "peak_memory_gib"}
 # the shipped configs validate before and after training (50 records on the real model): these tests train only
@@ -28,7 +30,8 @@ def test_alpaca_two_steps(smollm2_assets, tmp_path):
         assert r["num_tokens"] > 0 and r["tokens_per_second"] == pytest.approx(r["num_tokens"] / r["step_seconds"])
     # the final checkpoint is a loadable HF folder with the recipe state beside it
     ckpt = out / "step_2"
-    for name in ("model-00001-of-00001.safetensors", "config.json", "tokenizer.json", "recipe_state.pt", "checkpoint.json"):
+    for name in ("model-00001-of-00001.safetensors", "config.json", "tokenizer.json", "recipe_state.pt",
+                 "checkpoint.json"):
         assert (ckpt / name).is_file(), name
     # what reached W&B (offline) is what metrics.jsonl holds, and the config was logged
     run = read_offline_run(str(out / "logs"))

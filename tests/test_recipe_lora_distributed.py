@@ -11,6 +11,8 @@ from safetensors.torch import load_file
 from helpers import read_jsonl, recipe_class, run_recipe, run_tune, tiny_alpaca16_config
 from torchtune_ext.config import DISTRIBUTED_KEYS, LORA_KEYS, validate
 
+pytestmark = pytest.mark.slow  # every test here runs a recipe or torchrun (pyproject.toml: markers)
+
 RECIPE = "recipes/lora_finetune_distributed.py"
 CONFIG = "configs/smollm2/135M_lora.yaml"
 TINY_LORA = {"_component_": "torchtune_ext.models.lora_tiny_llama", "lora_attn_modules": ["q_proj", "v_proj"],

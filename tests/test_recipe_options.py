@@ -8,6 +8,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from helpers import read_jsonl, recipe_class, run_recipe, tiny_recipe_config, write_tiny_hf_checkpoint
 from torchtune_ext.config import validate
 
+pytestmark = pytest.mark.slow  # every test here runs a recipe or torchrun (pyproject.toml: markers)
+
 RECIPE = recipe_class("recipes/full_finetune_single_device.py", "FullFinetuneRecipeSingleDevice")
 SETTINGS = ["max_steps_per_epoch=3", "batch_size=2", "gradient_accumulation_steps=2", "save_final_checkpoint=false",
             "lr_scheduler.num_warmup_steps=0", "optimizer.lr=0.01"]

@@ -36,6 +36,7 @@ def snapshot(folder):
     return out
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill_mid_epoch_is_exact(tiny_run):
     """Kill a run mid-step; resuming reproduces the uninterrupted run's losses exactly."""
     # keep every checkpoint: the one resumed from must still be there, unchanged, at the end
@@ -73,6 +74,7 @@ def test_resume_after_sigkill_mid_epoch_is_exact(tiny_run):
     assert snapshot(out / "step_2") == kept  # the checkpoint resumed from was not rewritten
 
 
+@pytest.mark.slow
 def test_partial_window_at_epoch_end(tiny_run):
     """14 samples, 2 x 4 per step, 2 epochs: steps of 8 and 6 samples per epoch, restarting each epoch."""
     config = tiny_run(n_samples=14, batch_size=2, gradient_accumulation_steps=4, epochs=2, shuffle=True, seed=7)
@@ -102,6 +104,7 @@ def test_partial_window_at_epoch_end(tiny_run):
     assert rows[-1]["lr"] == pytest.approx(0.5 * (1 + torch.cos(torch.tensor(torch.pi * 2 / 3)).item()) * 1e-3)
 
 
+@pytest.mark.slow
 def test_nonfinite_values_stop_and_never_recommend_a_later_checkpoint(tiny_run):
     config = tiny_run(batch_size=4, gradient_accumulation_steps=1, save_every_n_steps=1, clip_grad_norm=None,
                       **{"optimizer._component_": "torch.optim.SGD", "optimizer.weight_decay": 0.0,
@@ -174,6 +177,7 @@ def test_config_errors_name_the_key(tiny_run, override):
     ("checkpointer.checkpoint_dir=TRUNCATED", ["checkpointer.checkpoint_dir", "model.safetensors"]),
     ("model.embed_dim=32", ["checkpointer.checkpoint_dir", "does not fit"]),
 ], ids=["command-line", "validation", "optimizer", "data", "columns", "truncated-weights", "model"])
+@pytest.mark.slow
 def test_bad_input_fails_cleanly_and_writes_nothing(tiny_run, override, words):
     config = tiny_run(gradient_accumulation_steps=2)
     root = config.parent
@@ -195,6 +199,7 @@ def test_bad_input_fails_cleanly_and_writes_nothing(tiny_run, override, words):
     assert sorted(os.listdir(out)) == ["notes.txt"]
 
 
+@pytest.mark.slow
 def test_broken_config_file_is_one_line_with_its_line_number(tiny_run):
     config = tiny_run()
     text = config.read_text().replace("batch_size: 2", "batch_size: [2")
@@ -238,6 +243,7 @@ def test_more_ranks_than_samples_is_refused(tiny_run):
     assert len(loader) == 3 and loader.steps_per_epoch == 1
 
 
+@pytest.mark.slow
 def test_output_dir_with_checkpoints_is_not_overwritten(tiny_run):
     config = tiny_run(max_steps_per_epoch=1)
     assert tune(config).returncode == 0
@@ -248,6 +254,7 @@ def test_output_dir_with_checkpoints_is_not_overwritten(tiny_run):
     assert snapshot(out) == before
 
 
+@pytest.mark.slow
 def test_corrupt_checkpoint_is_refused(tiny_run):
     config = tiny_run(max_steps_per_epoch=1)
     assert tune(config).returncode == 0

@@ -16,6 +16,8 @@ from safetensors.torch import load_file
 from helpers import read_jsonl, recipe_class, run_recipe, tiny_recipe_config, write_tiny_hf_checkpoint
 from torchtune_ext.config import LORA_KEYS, validate
 
+pytestmark = pytest.mark.slow  # every test here runs a recipe or torchrun (pyproject.toml: markers)
+
 TINY_LORA = {"_component_": "torchtune_ext.models.lora_tiny_llama", "lora_attn_modules": ["q_proj", "v_proj"],
              "apply_lora_to_mlp": True, "apply_lora_to_output": False, "lora_rank": 4, "lora_alpha": 8,
              "lora_dropout": 0.1}

@@ -27,8 +27,10 @@ from safetensors.torch import load_file
 import resume_jobs
 from helpers import REPO_ROOT
 from torchtune_ext.checkpoint import list_checkpoints, verify_checkpoint
-from torchtune_ext.errors import EXIT_STOPPED
 from torchtune_ext.control.run_lock import OutputDirLock
+from torchtune_ext.errors import EXIT_STOPPED
+
+pytestmark = pytest.mark.slow  # every test here runs a recipe or torchrun (pyproject.toml: markers)
 
 TOL = 1e-5
 STOPS = list(range(1, 11))  # ten stops: a fresh run, nine resumes that stop again, a tenth that finishes
@@ -194,7 +196,8 @@ def test_one_rank_batch_4_resumes_on_two_ranks_batch_2(two_ranks):
     root, proc, _ = two_ranks
     got, ref = resume_jobs.by_step(root / "to_two"), resume_jobs.by_step(root / "to_two_ref")
     assert sorted(got) == sorted(ref) == list(range(1, 13))
-    assert all("dp_world_size" not in got[s] for s in (1, 2)) and all(got[s]["dp_world_size"] == 2 for s in got if s > 2)
+    assert all("dp_world_size" not in got[s] for s in (1, 2))
+    assert all(got[s]["dp_world_size"] == 2 for s in got if s > 2)
     assert_close(got, ref, range(3, 13))
     assert "The global batch changes" not in proc.stderr + proc.stdout  # 1 x 4 x 1 = 2 x 2 x 1
     assert "dp_world_size 1 -> 2" in proc.stderr + proc.stdout

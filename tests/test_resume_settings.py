@@ -15,6 +15,8 @@ import resume_jobs
 from torchtune_ext.config import ConfigError
 from torchtune_ext.errors import EXIT_STOPPED
 
+pytestmark = pytest.mark.slow  # every test here runs a recipe or torchrun (pyproject.toml: markers)
+
 
 @pytest.fixture(scope="module")
 def setup_yaml(tmp_path_factory):

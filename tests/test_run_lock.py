@@ -49,6 +49,7 @@ def test_free_folder_has_no_holder_and_probing_writes_nothing(tmp_path):
     check_not_in_use(str(tmp_path / "out"))
 
 
+@pytest.mark.slow
 def test_second_run_stops_with_one_line_and_writes_nothing(setup_yaml, tmp_path):
     out = tmp_path / "out"
     config = tmp_path / "run.yaml"
@@ -76,6 +77,7 @@ def has_open(pid, path):
         return False
 
 
+@pytest.mark.slow
 def test_two_runs_started_together_then_a_third(setup_yaml, tmp_path):
     """Issue 33 F1, as a user meets it: two runs of one command started at the same moment, then a third while
     the winner trains. Exactly one trains; the others exit 2 with one line naming it; its checkpoints and

@@ -214,6 +214,7 @@ def test_our_config(recipe, name, path, tmp_path, pretend_cuda):
     _check(recipe, name, path, tmp_path)
 
 
+@pytest.mark.slow
 def test_packaged_name_runs_to_the_download_line():
     """`tune run recipes/lora_finetune_single_device.py --config qwen2_5/0.5B_lora_single_device`, as
     written (no override, on any machine): the name resolves to torchtune's YAML, every key is

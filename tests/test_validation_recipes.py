@@ -21,11 +21,19 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from helpers import (
-    REPO_ROOT, read_jsonl, recipe_class, run_recipe, run_tune, tiny_alpaca16_config, write_tiny_hf_checkpoint,
+    REPO_ROOT,
+    read_jsonl,
+    recipe_class,
+    run_recipe,
+    run_tune,
+    tiny_alpaca16_config,
+    write_tiny_hf_checkpoint,
 )
 from torchtune_ext import evaluate as evaluate_module
 from torchtune_ext.config import DISTRIBUTED_KEYS, LORA_KEYS, ConfigError, validate
 from wandb_reader import read_offline_run
+
+pytestmark = pytest.mark.slow  # every test here runs a recipe or torchrun (pyproject.toml: markers)
 
 TINY_LORA = {"_component_": "torchtune_ext.models.lora_tiny_llama", "lora_attn_modules": ["q_proj", "v_proj"],
              "apply_lora_to_mlp": True, "apply_lora_to_output": False, "lora_rank": 4, "lora_alpha": 8,

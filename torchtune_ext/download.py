@@ -37,7 +37,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from torchtune_ext.errors import ChecksumError
 from torchtune_ext.assets import (
     ALPACA_RELPATH,
     DEFAULT_ASSETS_DIR,
@@ -45,6 +44,7 @@ from torchtune_ext.assets import (
     SHAKESPEARE_RELPATH,
     SMOLLM2_DIRNAME,
 )
+from torchtune_ext.errors import ChecksumError
 
 
 @dataclass(frozen=True)

@@ -74,8 +74,8 @@ from torchtune_ext.checkpoint import (
     verify_checkpoint,
 )
 from torchtune_ext.config import COMMON_KEYS, DISTRIBUTED_KEYS, LORA_KEYS, validate, validation_enabled
-from torchtune_ext.errors import EXIT_IO_ERROR, EXIT_USER_ERROR, ConfigError, UserError
 from torchtune_ext.data import StepLoader, build_dataset, make_collate
+from torchtune_ext.errors import EXIT_IO_ERROR, EXIT_USER_ERROR, ConfigError, UserError
 from torchtune_ext.loss import SummedCrossEntropyLoss, build_loss, shift_labels
 from torchtune_ext.models import build_tokenizer
 from torchtune_ext.step import forward_sums, prepare_micro_batch

@@ -32,9 +32,6 @@ from torchtune import training, utils
 
 from torchtune_ext import config as recipe_config
 from torchtune_ext import distributed as parallel
-from torchtune_ext.control.preemption import GracefulStop
-from torchtune_ext.control.rollback import output_dir_unchanged_on_error
-from torchtune_ext.control.run_lock import OutputDirLock, check_not_in_use
 from torchtune_ext.checkpoint import (
     CheckpointManager,
     Progress,
@@ -42,6 +39,9 @@ from torchtune_ext.checkpoint import (
     load_recipe_state,
     set_rng_state,
 )
+from torchtune_ext.control.preemption import GracefulStop
+from torchtune_ext.control.rollback import output_dir_unchanged_on_error
+from torchtune_ext.control.run_lock import OutputDirLock, check_not_in_use
 from torchtune_ext.data import build_step_loader
 from torchtune_ext.evaluate import Validator, build_val_loader
 from torchtune_ext.loss import build_loss

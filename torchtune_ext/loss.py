@@ -418,11 +418,13 @@ def build_loss(cfg_loss, compile: bool = False, log_replacement: bool = True) ->
             (``loss.num_output_chunks``) neither ``auto`` nor a positive integer.
     """
     from omegaconf import OmegaConf
-    from torchtune import config as tt_config, utils
+    from torchtune import config as tt_config
+    from torchtune import utils
 
     component = str(cfg_loss.get("_component_"))
     not_exact = ConfigError("loss", f"{component} cannot be normalized exactly across micro-batches; use "
-                            "torchtune_ext.loss.SummedCrossEntropyLoss or torchtune.modules.loss.CEWithChunkedOutputLoss")
+                            "torchtune_ext.loss.SummedCrossEntropyLoss or "
+                            "torchtune.modules.loss.CEWithChunkedOutputLoss")
     if component not in _TORCHTUNE_CE_LOSSES:
         target = resolve_component(component)
         if isinstance(target, type) and not issubclass(target, SummedCrossEntropyLoss):

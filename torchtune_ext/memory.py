@@ -19,7 +19,8 @@ sample, with logits for every position (``baseline``, from
 torchtune's recipe fits with ours, whatever the data; once per step runs
 where it is cheap (a step whose micro-batches are small next to one padded
 micro-batch with its vocabulary-wide logits). ``limit="device"`` drops that
-bound: once per step whenever the device has the memory. The estimate is an upper bound by design: falling back costs little
+bound: once per step whenever the device has the memory. The estimate is an
+upper bound by design: falling back costs little
 (the same work, one backward per micro-batch); running out of memory costs the
 run (on CPU the kernel kills the process; a CUDA out-of-memory error is caught
 by the training step and the step redone per micro-batch, single process only).

@@ -216,7 +216,8 @@ def _check_model(cfg_model: DictConfig, packed_row_tokens: Optional[int] = None,
         if adapter_on_output and "apply_lora_to_output" in str(err):
             if cfg_model.get("tie_word_embeddings", True):
                 raise ConfigError("model.apply_lora_to_output", tied) from None
-            raise ConfigError("model.apply_lora_to_output", f"{path} does not support it ({short(err, with_cause=False)}); "
+            raise ConfigError("model.apply_lora_to_output",
+                              f"{path} does not support it ({short(err, with_cause=False)}); "
                               "set model.apply_lora_to_output=false") from None
         raise ConfigError("model", f"{path} cannot build this model: {short(err, with_cause=False)}") from None
     limit = _remember_limit(cfg_model, model)

@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional
 from torchtune_ext.control.exits import LOST_PEER, STOP_OTHERS_SIGNAL, ignore_signals_while_exiting
 from torchtune_ext.errors import LAUNCHER_PID_ENV, OUTCOME_FILE_ENV, REPORTED_EXIT_CODES
 
+
 def _recorded_output_dir(outcome_file: str) -> Optional[str]:
     try:
         with open(outcome_file + ".output_dir") as f:
@@ -74,10 +75,9 @@ def quiet_reported_failures(run: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         import tempfile
 
+        from torch.distributed.elastic.multiprocessing import api as elastic_api
         from torch.distributed.elastic.multiprocessing.api import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-        from torch.distributed.elastic.multiprocessing import api as elastic_api
 
         outcome_file = os.path.join(tempfile.gettempdir(), f"torchtune_ext_outcome_{os.getpid()}_{time.time_ns()}")
         os.environ[OUTCOME_FILE_ENV] = outcome_file

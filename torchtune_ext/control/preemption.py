@@ -40,10 +40,10 @@ from typing import Dict, Optional
 import torch
 import torch.distributed as dist
 
-from torchtune_ext.checkpoint import latest_checkpoint
 from torchtune_ext import ranks
-from torchtune_ext.errors import EXIT_STOPPED
+from torchtune_ext.checkpoint import latest_checkpoint
 from torchtune_ext.control.exits import finish_wandb, record_outcome, write_line
+from torchtune_ext.errors import EXIT_STOPPED
 
 REPEAT_WINDOW_S = 1.0
 SIGNALS = (signal.SIGTERM, signal.SIGINT)

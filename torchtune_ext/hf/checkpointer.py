@@ -102,7 +102,8 @@ class HFCheckpointer:
         self._output_dir.mkdir(parents=True, exist_ok=True)  # as torchtune's checkpointers do
 
     def load_checkpoint(self) -> Dict[str, Any]:
-        """``{"model": state_dict}``: the folder's weights as transformers' model holds them, on CPU, in the files' dtype.
+        """``{"model": state_dict}``: the folder's weights as transformers' model holds them, on CPU, in the
+        files' dtype.
 
         Raises:
             ConfigError: (key ``checkpointer.checkpoint_dir``) weights the model

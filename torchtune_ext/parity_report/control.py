@@ -44,8 +44,8 @@ def mean_of_means_forward_backward(
     Backward runs on ``(summed_loss_i / tokens_i) / M`` for each of the ``M``
     micro-batches of the step (in both backward modes: the bug does not depend
     on the mode). Other keyword arguments of ``forward_backward`` (``memory_guard``,
-    ``step``) are accepted and ignored: there is nothing for the guard to decide. A micro-batch with no trainable token is left out of the
-    sum; the common recipe would produce NaN there (0 / 0), which would hide
+    ``step``) are accepted and ignored: there is nothing for the guard to decide. A micro-batch with no
+    trainable token is left out of the sum; the common recipe would produce NaN there (0 / 0), which would hide
     the weighting error this control is meant to show.
 
     Returns:
