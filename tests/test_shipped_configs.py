@@ -37,7 +37,10 @@ def _schema(path: Path):
 
 
 def test_some_shipped_configs_validate():
-    assert len(WITH_VALIDATION) == 6  # the SmolLM2 configs: Alpaca and Shakespeare, full and LoRA, 1 and 2 ranks
+    # the SmolLM2 configs (Alpaca and Shakespeare, full and LoRA, 1 and 2 ranks) and the Hugging Face ones
+    smollm2 = [p for p in CONFIGS if p.parent.name == "smollm2"]
+    assert len(smollm2) == 6 and set(smollm2) <= set(WITH_VALIDATION)
+    assert all(p in WITH_VALIDATION for p in CONFIGS if p.parent.name in ("hf", "qwen3", "gemma3", "qwen3_moe"))
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=IDS)
@@ -48,6 +51,8 @@ def test_a_validation_set_is_used(path, tmp_path, caplog):
     assert "backward" in cfg and "backward_once_per_step" not in cfg
     cfg.output_dir = str(tmp_path / "out")
     cfg.checkpointer.output_dir = cfg.output_dir
+    if OmegaConf.is_missing(cfg, "model_dir"):  # configs/hf: the one key left to the command line
+        cfg.model_dir = str(tmp_path / "model")
     with caplog.at_level(logging.INFO):
         try:
             validate(cfg, extra_keys=_schema(path))

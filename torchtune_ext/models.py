@@ -381,6 +381,23 @@ def load_model_state(model: nn.Module, state_dict: dict, device: torch.device, s
     return checkpoint.load_model_state(model, state_dict, source, strict=strict, model_name=model_name)
 
 
+def load_sharded_model_state(model: nn.Module, state_dict: dict, device: torch.device, **kwargs):
+    """:func:`torchtune_ext.distributed.load_full_model_state_dict` (the keyword arguments are its own), then
+    a transformers model's tied weights tied again.
+
+    The loader gives every key a new sharded parameter, so a tied ``lm_head``
+    would become a parameter of its own, trained apart from the token
+    embedding (and unknown to the optimizer's view of the model).
+
+    Returns:
+        ``(missing_keys, unexpected_keys)``.
+    """
+    keys = distributed.load_full_model_state_dict(model, state_dict, device, **kwargs)
+    if is_hf_model(model):
+        model.tie_weights()  # a no-op for untied models
+    return keys
+
+
 def adapter_params(model: nn.Module) -> dict:
     """The adapter parameters by name (LoRA A/B, DoRA magnitudes): what a LoRA recipe trains."""
     if is_hf_model(model):

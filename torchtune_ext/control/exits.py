@@ -1,14 +1,14 @@
 """How a recipe run ends: one line, a documented exit status (:mod:`torchtune_ext.errors`), once per job.
 
-The recipes' ``recipe_main`` is wrapped as::
+The recipes' ``recipe_main`` is torchtune's ``@config.parse`` function, run as::
 
-    @exits.exit_on_user_error
-    @config.parse
-    def recipe_main(cfg): ...
+    if __name__ == "__main__":
+        exits.run_main(recipe_main)
 
-so the wrapper sees the command line *before* torchtune's ``config.parse``
-reads it (:func:`torchtune_ext.control.command_line.check_command_line`), and
-turns the library's expected errors into one line and their exit status:
+:func:`run_main` wraps it in :func:`exit_on_user_error`, which sees the
+command line *before* torchtune's ``config.parse`` reads it
+(:func:`torchtune_ext.control.command_line.check_command_line`), and turns the
+library's expected errors into one line and their exit status:
 :class:`~torchtune_ext.errors.UserError` 2,
 :class:`~torchtune_ext.errors.TrainingHealthError` 3,
 :class:`~torchtune_ext.errors.CheckpointSaveError` 74. Anything else is a bug
@@ -161,6 +161,9 @@ def report_and_exit(message: str, status: int) -> None:
 def run_main(recipe_main: Callable[[], Any]) -> None:
     """A recipe file's ``__main__``: run ``recipe_main`` and exit with its status, also on a late signal.
 
+    ``recipe_main`` is run through :func:`exit_on_user_error` (unless it is
+    wrapped already), so bad input ends it with one line and its exit status.
+
     Once the status is decided (0, or a reported 2, 3, 74 or 75), the
     interpreter still has to shut down: W&B's exit hooks can take seconds, and
     the signal handlers of :class:`torchtune_ext.control.preemption.GracefulStop` are
@@ -181,6 +184,8 @@ def run_main(recipe_main: Callable[[], Any]) -> None:
             ignore_signals_while_exiting()  # the interpreter's finalization keeps SIG_IGN
 
     atexit.register(ignore_late_signals)
+    if not getattr(recipe_main, "reports_user_errors", False):
+        recipe_main = exit_on_user_error(recipe_main)
     try:
         status = recipe_main()
     except SystemExit as done:  # report_and_exit's
@@ -317,6 +322,7 @@ def exit_on_user_error(recipe_main: Callable[..., Any]) -> Callable[..., Any]:
                 raise
             _exit_lost_peer(detail)
 
+    wrapper.reports_user_errors = True
     return wrapper
 
 
