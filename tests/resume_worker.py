@@ -1,4 +1,4 @@
-"""torchrun worker: many recipe runs in one launch (tests/test_resume_chain.py).
+"""torchrun worker: many recipe runs in one launch (tests/recipes/test_resume_chain.py).
 
     torchrun --nproc_per_node 2 tests/resume_worker.py SETUP_YAML JOBS_JSON
 

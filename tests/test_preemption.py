@@ -2,7 +2,7 @@
 
 The recipe runs as a user runs it (``tune run``, a real signal from
 ``os.kill``); the resumed run must equal an uninterrupted one. Two ranks:
-tests/test_resume_chain.py.
+tests/recipes/test_resume_chain.py.
 """
 
 import os

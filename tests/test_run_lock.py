@@ -1,7 +1,7 @@
 """One run per output folder: a second run stops at once with one line; a crashed run leaves no stuck lock.
 
 Two ranks of one job are one run, and all of them refuse a folder held by
-another run: tests/test_resume_chain.py (``test_two_ranks_refuse_a_held_folder``).
+another run: tests/recipes/test_resume_chain.py (``test_two_ranks_refuse_a_held_folder``).
 """
 
 import fcntl
