@@ -26,7 +26,7 @@ cheaply:
 7. the tokenizer builds from its files, and formats a chat where the
    datasets give it messages (:func:`torchtune_ext.tokenizer.check_tokenizer`).
 
-Every problem is a :class:`~torchtune_ext.config.ConfigError` naming the key.
+Every problem is a :class:`~torchtune_ext.errors.ConfigError` naming the key.
 """
 
 import inspect

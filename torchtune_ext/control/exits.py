@@ -295,11 +295,11 @@ def exit_on_user_error(recipe_main: Callable[..., Any]) -> Callable[..., Any]:
     :func:`torchtune_ext.config.validate`, which refuses one that names no key
     of the recipe (:func:`torchtune_ext.config.command_line_keys`).
 
-    * :class:`torchtune_ext.config.UserError` (``ConfigError`` included):
+    * :class:`torchtune_ext.errors.UserError` (``ConfigError`` included):
       ``error: <message>``, exit status 2.
-    * :class:`torchtune_ext.health.TrainingHealthError`: ``error: training
+    * :class:`torchtune_ext.errors.TrainingHealthError`: ``error: training
       stopped: <message>``, exit status 3.
-    * :class:`torchtune_ext.checkpoint.CheckpointSaveError`: ``error:
+    * :class:`torchtune_ext.errors.CheckpointSaveError`: ``error:
       <message>``, exit status 74.
     * under torchrun, a lost connection to another rank (that rank died):
       quietly, as torchrun ends the other workers (:func:`_exit_lost_peer`).

@@ -165,7 +165,9 @@ def _exit_for_lost_rank(failures: dict, output_dir: Optional[str]) -> None:
     if output_dir is None:
         where = "it stopped before it held its output_dir: start it again with the same command"
     else:
-        from torchtune_ext.control.preemption import where_to_continue  # torch: imported by torchrun's launcher already
+        # import weight: preemption loads torchtune's checkpointing, which only a lost worker's line needs, not
+        # every start of the `tune` command (this module is imported then)
+        from torchtune_ext.control.preemption import where_to_continue
 
         where = where_to_continue(output_dir, _launcher_resume_command())
     # on a line of its own: rank 0's progress bar, cut short, leaves the cursor at its end
