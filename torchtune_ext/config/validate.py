@@ -108,7 +108,12 @@ def validate(cfg: DictConfig, extra_keys: Optional[Dict[str, Key]] = None,
         evaluate_on (str, optional): check the config for evaluating a checkpoint
             on this dataset key (``dataset`` or ``dataset_val``) instead of for
             training: ``output_dir`` and ``optimizer`` may be absent and are not
-            checked, nor is anything about resuming.
+            checked.
+
+    What ``output_dir`` holds is not looked at here: whether another run
+    holds it (:func:`torchtune_ext.control.run_lock.check_not_in_use`) and
+    where a run starts (:func:`torchtune_ext.resume.check_resume_point`) are
+    checked next, by :func:`torchtune_ext.loop.run_recipe`.
 
     Returns:
         DictConfig: a new config with every known key present.
