@@ -314,7 +314,7 @@ def test_saved_checkpoint_carries_the_chat_template_training_used(tiny_run, toke
                                            gradient_accumulation_steps=1, metric_logger=None, **tokenizer)))
     recipe = run_recipe(recipe_class("recipes/full_finetune_single_device.py", "FullFinetuneRecipeSingleDevice"), cfg)
     saved = Path(cfg.output_dir) / "step_1"
-    assert hf_ids(saved, TWO_TURNS) == recipe._tokenizer.tokenize_messages(TWO_TURNS)[0]
+    assert hf_ids(saved, TWO_TURNS) == recipe.run.tokenizer.tokenize_messages(TWO_TURNS)[0]
     base = json.loads((Path(cfg.checkpointer.checkpoint_dir) / "tokenizer_config.json").read_text())
     assert "named SmolLM" in base["chat_template"]  # the base folder is untouched
     manifest = json.loads((saved / "checkpoint.json").read_text())["files"]

@@ -87,7 +87,8 @@ def runs(tmp_path_factory):
 
     def ours(warmup: int, out: Path):
         cfg = config("configs/smollm2/135M_lora_single_device.yaml", warmup, out)
-        cfg.dataset_val = None
+        cfg.dataset_val = None  # no validation: the runs compare training only
+        cfg.run_val_every_n_steps, cfg.run_val_at_start = None, False
         cfg.save_final_checkpoint = False
         run_recipe(recipe_class(OURS, "LoRAFinetuneRecipeSingleDevice"), validate(cfg, extra_keys=LORA_KEYS))
         return [(r["loss"], r["grad_norm"]) for r in read_jsonl(out / "logs" / "metrics.jsonl")]
