@@ -17,8 +17,8 @@ import torch
 from omegaconf import DictConfig
 from torchtune import config, training
 
-from torchtune_ext import launch
 from torchtune_ext.config import DISTRIBUTED_KEYS
+from torchtune_ext.control import exits
 from torchtune_ext.loop import FinetuneRecipe, run_recipe
 from torchtune_ext.models import build_model, load_sharded_model_state, shard_model
 from torchtune_ext.runtime import wrap_model
@@ -56,4 +56,4 @@ def recipe_main(cfg: DictConfig) -> int:
 
 
 if __name__ == "__main__":
-    launch.run_main(recipe_main)  # bad input, also on the command line config.parse reads: one line, exit 2
+    exits.run_main(recipe_main)  # bad input, also on the command line config.parse reads: one line, exit 2

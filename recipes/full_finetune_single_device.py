@@ -15,7 +15,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 from torchtune import config, training
 
-from torchtune_ext import launch
+from torchtune_ext.control import exits
 from torchtune_ext.loop import FinetuneRecipe, run_recipe
 from torchtune_ext.models import build_model, load_model_state
 from torchtune_ext.runtime import embedding_rows_into_grad, wrap_model
@@ -49,4 +49,4 @@ def recipe_main(cfg: DictConfig) -> int:
 
 
 if __name__ == "__main__":
-    launch.run_main(recipe_main)  # bad input, also on the command line config.parse reads: one line, exit 2
+    exits.run_main(recipe_main)  # bad input, also on the command line config.parse reads: one line, exit 2

@@ -20,10 +20,10 @@ from omegaconf import DictConfig
 from torchtune import config, training
 from torchtune.modules.peft import set_trainable_params
 
-from torchtune_ext import launch
 from torchtune_ext.config import DISTRIBUTED_KEYS, LORA_KEYS
-from torchtune_ext.lora import load_lora_weights, lora_checkpoint_state
+from torchtune_ext.control import exits
 from torchtune_ext.loop import FinetuneRecipe, run_recipe
+from torchtune_ext.lora import load_lora_weights, lora_checkpoint_state
 from torchtune_ext.models import adapter_params, build_model, initialize_adapters, load_sharded_model_state, shard_model
 from torchtune_ext.runtime import wrap_model
 from torchtune_ext.upstream import describe_model
@@ -67,4 +67,4 @@ def recipe_main(cfg: DictConfig) -> int:
 
 
 if __name__ == "__main__":
-    launch.run_main(recipe_main)  # bad input, also on the command line config.parse reads: one line, exit 2
+    exits.run_main(recipe_main)  # bad input, also on the command line config.parse reads: one line, exit 2

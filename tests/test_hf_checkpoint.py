@@ -131,7 +131,8 @@ def test_folder_without_config_json(tmp_path):
 
 def test_model_type_unknown_to_this_transformers(tmp_path):
     err = refused(write_config(tmp_path / "m", model_type="llama99", architectures=["Llama99ForCausalLM"]))
-    assert err.key == "model.path" and "'llama99'" in str(err) and f"transformers {transformers.__version__}" in str(err)
+    assert err.key == "model.path" and "'llama99'" in str(err)
+    assert f"transformers {transformers.__version__}" in str(err)
 
 
 def test_model_needing_remote_code_is_refused_unless_trusted(tmp_path):

@@ -19,7 +19,8 @@ from omegaconf import OmegaConf
 from helpers import REPO_ROOT
 from hf_tiny import write_tiny, write_tiny_image_text
 
-NAMED = sorted(p for family in ("qwen3", "gemma3", "qwen3_moe") for p in (REPO_ROOT / "configs" / family).glob("*.yaml"))
+NAMED = sorted(p for family in ("qwen3", "gemma3", "qwen3_moe")
+               for p in (REPO_ROOT / "configs" / family).glob("*.yaml"))
 # what a named config may set differently from its generic config
 PER_MODEL = {"model_dir", "output_dir", "batch_size", "gradient_accumulation_steps", "optimizer.lr",
              "enable_activation_checkpointing", "fsdp_cpu_offload", "tokenizer.max_seq_len", "model.lora_rank",

@@ -40,6 +40,9 @@ from torchtune_ext.checkpoint import (
     load_recipe_state,
     set_rng_state,
 )
+from torchtune_ext.control.preemption import GracefulStop
+from torchtune_ext.control.rollback import output_dir_unchanged_on_error
+from torchtune_ext.control.run_lock import OutputDirLock, check_not_in_use
 from torchtune_ext.data import build_step_loader
 from torchtune_ext.evaluate import Validator, build_val_loader
 from torchtune_ext.loss import build_loss
@@ -47,10 +50,8 @@ from torchtune_ext.memory import MemoryGuard
 from torchtune_ext.metrics import StepReporter, build_metric_logger
 from torchtune_ext.models import build_tokenizer
 from torchtune_ext.optim_in_bwd import build_optimizer
-from torchtune_ext.preemption import GracefulStop
 from torchtune_ext.preflight import check_components
-from torchtune_ext.resume import check_resume, restore_training
-from torchtune_ext.run_lock import OutputDirLock
+from torchtune_ext.resume import check_resume, check_resume_point, restore_training
 from torchtune_ext.runtime import build_profiler, keep_freed_cpu_memory, set_log_level
 from torchtune_ext.step import StepHealth, build_lr_scheduler, train_step
 
@@ -191,7 +192,7 @@ class TrainingRun:
 
         Returns:
             int: the exit status: 0, or 75 after a signal's checkpoint
-            (:class:`torchtune_ext.preemption.GracefulStop`).
+            (:class:`torchtune_ext.control.preemption.GracefulStop`).
         """
         cfg, progress = self.cfg, self.progress
         keep_freed_cpu_memory(self.device)  # CPU: each step reuses the last one's pages instead of faulting them in
@@ -297,15 +298,20 @@ class FinetuneRecipe:
 def run_recipe(recipe_class: Type, cfg: DictConfig, extra_keys: Optional[Dict[str, recipe_config.Key]] = None) -> int:
     """Validate ``cfg``, then set up, train and clean up one ``recipe_class(cfg)``; returns the exit status.
 
-    If setup fails, what appeared in ``output_dir`` after this run took its
-    lock is removed again (:func:`torchtune_ext.config.output_dir_unchanged_on_error`);
+    Before any work: the config (:func:`torchtune_ext.config.validate`), that
+    no other run holds ``output_dir``, and where the run starts
+    (:func:`torchtune_ext.resume.check_resume_point`). If setup fails, what
+    appeared in ``output_dir`` after this run took its lock is removed again
+    (:func:`torchtune_ext.control.rollback.output_dir_unchanged_on_error`);
     a run refused the lock touches nothing, and training's writes are never
     rolled back. A run that finishes names once more the config keys it
     ignored (the warning at its start is long out of sight by then).
     """
     cfg = recipe_config.validate(cfg, extra_keys=extra_keys)
+    check_not_in_use(cfg.output_dir)  # another run's folder: nothing more is looked at
+    check_resume_point(cfg)
     recipe = recipe_class(cfg)
-    with recipe_config.output_dir_unchanged_on_error(cfg.output_dir):
+    with output_dir_unchanged_on_error(cfg.output_dir):
         recipe.setup()
     status = recipe.train()
     if status == 0:  # a stop's line (exit 75) stays the last one

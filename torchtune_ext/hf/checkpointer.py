@@ -41,7 +41,7 @@ from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
 from torchtune_ext.checkpoint import ADAPTER_DIR, MANIFEST, RECIPE_STATE
-from torchtune_ext.config import ConfigError
+from torchtune_ext.errors import ConfigError
 from torchtune_ext.hf.lora import peft_model_from_state
 from torchtune_ext.hf.model import language_model_keys, read_model_folder
 
@@ -118,7 +118,8 @@ class HFCheckpointer:
         self._output_dir.mkdir(parents=True, exist_ok=True)  # as torchtune's checkpointers do
 
     def load_checkpoint(self) -> Dict[str, Any]:
-        """``{"model": state_dict}``: the folder's weights as transformers' model holds them, on CPU, in the files' dtype.
+        """``{"model": state_dict}``: the folder's weights as transformers' model holds them, on CPU, in the
+        files' dtype.
 
         With ``text_only`` on an image-text folder, its language model's
         weights in the text model's keys (``model.language_model.layers.0...``

@@ -53,7 +53,7 @@ from transformers.models.auto.modeling_auto import (
 from transformers.utils import is_flash_attn_2_available
 
 from torchtune_ext import distributed
-from torchtune_ext.config import ConfigError
+from torchtune_ext.errors import ConfigError
 from torchtune_ext.loss import OutputProjection
 
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flex_attention")
@@ -611,7 +611,9 @@ def _router_balance(model: nn.Module, cls: type, coef: Optional[float]) -> Route
     if function is None or not isinstance(num_experts, int) or not isinstance(top_k, int):
         raise ConfigError("model.output_router_logits", f"{cls.__name__} has no router load-balancing loss "
                           "torchtune_ext.hf knows; set model.output_router_logits=false")
-    coef = float(coef if coef is not None else getattr(model, "router_aux_loss_coef", model.config.router_aux_loss_coef))
+    if coef is None:
+        coef = getattr(model, "router_aux_loss_coef", model.config.router_aux_loss_coef)
+    coef = float(coef)
     return RouterBalance(function, num_experts, top_k, coef)
 
 
