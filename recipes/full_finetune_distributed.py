@@ -38,7 +38,8 @@ class FullFinetuneRecipeDistributed(FinetuneRecipe):
         wrap_model(model, checkpointing=cfg.enable_activation_checkpointing,
                    offloading=cfg.enable_activation_offloading, compile=cfg.compile)
         shard_model(model, run.device, cpu_offload=cfg.fsdp_cpu_offload,
-                    reshard_after_forward=cfg.fsdp_reshard_after_forward, custom_sharded_layers=cfg.custom_sharded_layers)
+                    reshard_after_forward=cfg.fsdp_reshard_after_forward,
+                    custom_sharded_layers=cfg.custom_sharded_layers)
         load_sharded_model_state(model, checkpoint[training.MODEL_KEY], run.device, cpu_offload=cfg.fsdp_cpu_offload,
                                  source=run.resume_from or cfg.checkpointer.checkpoint_dir,
                                  model_name=describe_model(cfg))

@@ -89,7 +89,7 @@ def write_tiny(name: str, folder: Path, seed: int = 0, **overrides) -> Path:
 
 
 def image_text_config(name: str, text: Optional[Dict[str, Any]] = None, **overrides):
-    """The config of a tiny image-text ``name`` model (a key of :data:`IMAGE_TEXT`); ``text`` overrides its text part."""
+    """A tiny image-text ``name`` model's config (a key of :data:`IMAGE_TEXT`); ``text`` overrides its text part."""
     spec = {**IMAGE_TEXT[name], **overrides}
     spec["text_config"] = {**COMMON, **spec["text_config"], **(text or {})}
     return AutoConfig.for_model(name, **spec)

@@ -24,8 +24,15 @@ from hf_tiny import IMAGE_PROCESSOR_FILES, IMAGE_TEXT, TOKENIZER_FILES, TinyFold
 from torchtune_ext.checkpoint import CheckpointManager, Progress
 from torchtune_ext.config import ConfigError
 from torchtune_ext.hf import (
-    HFCheckpointer, adapter_params, causal_lm, check_model_folder, initialize_adapters, load_state, lora_causal_lm,
-    lora_checkpoint_state, model_keys,
+    HFCheckpointer,
+    adapter_params,
+    causal_lm,
+    check_model_folder,
+    initialize_adapters,
+    load_state,
+    lora_causal_lm,
+    lora_checkpoint_state,
+    model_keys,
 )
 from torchtune_ext.hf.model import language_model_keys, read_model_folder
 from torchtune_ext.loss import SummedCrossEntropyLoss, shift_labels
