@@ -55,7 +55,7 @@ def settings(root: Path, vocab_size: int, warmup: int, out: Path):
     """The overrides both recipes get, on the tiny model and tokenizer in ``root/base`` and data in ``root``."""
     return [
         f"output_dir={out}", f"checkpointer.checkpoint_dir={root / 'base'}", f"tokenizer.path={root / 'base'}",
-        f"tokenizer.max_seq_len={MAX_SEQ_LEN}", f"dataset.data_files={root / 'data.json'}",
+        f"tokenizer.max_seq_len={MAX_SEQ_LEN}", f"dataset.data_files={root / 'data.json'}", "dataset.split=train",
         "model._component_=torchtune_ext.models.lora_tiny_llama", f"model.vocab_size={vocab_size}",
         *(f"model.{k}={v}" for k, v in {**TINY, **LORA}.items()),
         f"seed={SEED}", "batch_size=2", "gradient_accumulation_steps=2", f"max_steps_per_epoch={STEPS}",
