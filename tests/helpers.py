@@ -11,6 +11,8 @@ import torch
 from torchtune.data import padded_collate_sft
 from torchtune.models.llama3_2 import llama3_2
 
+from torchtune_ext.loss import SummedCrossEntropyLoss
+
 IGNORE = -100
 VOCAB = 128
 
@@ -105,7 +107,43 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item() / scale if scale > 0 else (a - b).abs().max().item()
 
 
+class RecordingLoss(SummedCrossEntropyLoss):
+    """Our loss, recording per micro-batch whether its graph waits for a later backward.
+
+    ``recomputed`` holds each forward call's ``recompute_output``: True where
+    backward runs once per optimizer step, False per micro-batch.
+    """
+
+    def __init__(self):
+        super().__init__("auto", IGNORE)
+        self.recomputed = []
+
+    def forward(self, outputs, shifted_labels, recompute_output=False):
+        self.recomputed.append(recompute_output)
+        return super().forward(outputs, shifted_labels, recompute_output)
+
+
 REPO_ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+def run_worker(world_size: int, script: str, *args: str, timeout: int = 600):
+    """Run ``tests/<script> *args`` as ``world_size`` ranks and return the CompletedProcess.
+
+    One rank runs as a plain process (a group of one, as without torchrun);
+    more under ``torch.distributed.run --standalone``. Rank variables of the
+    calling environment are dropped so that a test never joins another group.
+    """
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    launcher = [sys.executable]
+    if world_size > 1:
+        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world_size)]
+    cmd = launcher + [str(REPO_ROOT / "tests" / script), *args]
+    return subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def run_tune(*args: str, timeout: int = 600, extra_env=None):

@@ -10,9 +10,8 @@ import logging
 import pytest
 import torch
 
-from helpers import IGNORE, collate, instruct_samples, rel_diff, tiny_model
+from helpers import RecordingLoss, collate, instruct_samples, rel_diff, tiny_model
 from torchtune_ext.config import ConfigError, validate
-from torchtune_ext.loss import SummedCrossEntropyLoss
 from torchtune_ext.memory import MemoryGuard, MicroBatchShape
 from torchtune_ext.step import forward_backward, train_step
 
@@ -86,18 +85,6 @@ def test_the_older_key_must_be_boolean(cfg, value):  # noqa: F811
 def micro_batches():
     samples = instruct_samples([3, 9, 1, 6, 2, 4], [12, 2, 30, 7, 5, 9])
     return [collate(samples[i:i + 2]) for i in range(0, 6, 2)]
-
-
-class RecordingLoss(SummedCrossEntropyLoss):
-    """Records whether each micro-batch's graph waited for a later backward (once per step)."""
-
-    def __init__(self):
-        super().__init__("auto", IGNORE)
-        self.recomputed = []
-
-    def forward(self, outputs, shifted_labels, recompute_output=False):
-        self.recomputed.append(recompute_output)
-        return super().forward(outputs, shifted_labels, recompute_output)
 
 
 def model_and_loss(seed=0):

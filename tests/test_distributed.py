@@ -8,14 +8,11 @@ samples at several batch sizes, packings and world sizes.
 """
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from helpers import REPO_ROOT, rel_diff, tiny_model
+from helpers import rel_diff, run_worker, tiny_model
 
 pytestmark = pytest.mark.slow  # every test here runs a recipe or torchrun (pyproject.toml: markers)
 
@@ -109,18 +106,8 @@ OPTIM_IN_BWD_CASES = [
 
 
 def launch(world_size, cases, out):
-    """One rank runs as a plain process (a group of one, as without torchrun); more under torchrun."""
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    launcher = [sys.executable]
-    if world_size > 1:
-        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world_size)]
-    cmd = launcher + [str(REPO_ROOT / "tests" / "dist_worker.py"), str(out), json.dumps(cases)]
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_worker(world_size, "dist_worker.py", str(out), json.dumps(cases))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    import torch
-
     return torch.load(out, weights_only=False)
 
 

@@ -5,14 +5,11 @@ samples per optimizer step everywhere, SGD with clipping, 2 steps.
 """
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from helpers import REPO_ROOT, rel_diff
+from helpers import rel_diff, run_worker
 from hf_tiny import write_tiny
 
 pytestmark = pytest.mark.slow  # every test here runs a recipe or torchrun (pyproject.toml: markers)
@@ -30,15 +27,7 @@ CASES = {
 
 
 def launch(world_size, folder, out):
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    launcher = [sys.executable]
-    if world_size > 1:
-        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world_size)]
-    cmd = launcher + [str(REPO_ROOT / "tests" / "hf_dist_worker.py"), str(out), str(folder),
-                      json.dumps(CASES[world_size])]
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_worker(world_size, "hf_dist_worker.py", str(out), str(folder), json.dumps(CASES[world_size]))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return torch.load(out, weights_only=False)
 

@@ -8,7 +8,7 @@ from torchtune import modules, training
 from torchtune.models.llama3_2 import llama3_2
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
-from helpers import IGNORE, collate, instruct_samples, rel_diff
+from helpers import IGNORE, RecordingLoss, collate, instruct_samples, rel_diff
 from torchtune_ext import memory
 from torchtune_ext.loss import SummedCrossEntropyLoss
 from torchtune_ext.memory import (
@@ -123,18 +123,6 @@ def micro_batches():
     samples = [{"tokens": [t % 512 for t in s["tokens"]],
                 "labels": [l if l == IGNORE else l % 512 for l in s["labels"]]} for s in samples]
     return [collate(samples[i:i + 2]) for i in range(0, 6, 2)]
-
-
-class RecordingLoss(SummedCrossEntropyLoss):
-    """Records how each micro-batch was computed (recompute_output is True only once per step)."""
-
-    def __init__(self):
-        super().__init__("auto", IGNORE)
-        self.recomputed = []
-
-    def forward(self, outputs, shifted_labels, recompute_output=False):
-        self.recomputed.append(recompute_output)
-        return super().forward(outputs, shifted_labels, recompute_output)
 
 
 def grads_of(model):

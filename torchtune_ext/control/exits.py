@@ -138,6 +138,23 @@ def record_output_dir(path: str) -> None:
 
 
 
+def leave_for_launcher(message: str) -> None:
+    """Write ``message`` to torchrun's per-worker error file, where its launcher reads a worker's failure.
+
+    torchelastic names the file in ``$TORCHELASTIC_ERROR_FILE`` (absent
+    without torchrun); the launcher reads ``{"message": ..., "timestamp": ...}``.
+    A write that fails is skipped: the line was already printed or is a
+    consequence of another rank's failure.
+    """
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        try:
+            with open(error_file, "w") as f:
+                json.dump({"message": message, "timestamp": int(time.time())}, f)
+        except OSError:
+            pass
+
+
 def report_and_exit(message: str, status: int) -> None:
     """Print ``message`` on rank 0, leave it for torchrun's launcher, and exit with ``status``.
 
@@ -148,13 +165,7 @@ def report_and_exit(message: str, status: int) -> None:
     if ranks.is_rank_zero():
         write_line(message)  # an error during training may come while the progress bar is drawn
         record_outcome(status)
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if error_file:
-        try:
-            with open(error_file, "w") as f:
-                json.dump({"message": message, "timestamp": int(time.time())}, f)
-        except OSError:
-            pass
+    leave_for_launcher(message)
     sys.exit(status)
 
 
@@ -273,13 +284,7 @@ def _exit_lost_peer(detail: str) -> None:
     finish_wandb(1, quiet=True)
     if ranks.is_rank_zero() and not os.environ.get(LAUNCHER_PID_ENV):
         write_line(message)
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if error_file:
-        try:
-            with open(error_file, "w") as f:
-                json.dump({"message": message, "timestamp": int(time.time())}, f)
-        except OSError:
-            pass
+    leave_for_launcher(message)
     sys.stdout.flush()
     sys.stderr.flush()
     signal.signal(STOP_OTHERS_SIGNAL, signal.SIG_DFL)
