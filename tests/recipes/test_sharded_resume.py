@@ -1,0 +1,127 @@
+"""Sharded checkpoints resume exactly at another world size: 4 ranks -> 2 and 2 -> 4, full and LoRA.
+
+Each run is a distributed recipe with ``sharded_checkpoints: true`` on the
+tiny setup of tests/tiny_setup.py (4 optimizer steps of 4 samples), stopped
+by a real SIGTERM after step 2 (the stop saves a sharded checkpoint, exit
+75) and resumed on the other world size from a copy of that checkpoint. The
+resumed steps 3-4 must equal the uninterrupted run's (loss and grad norm to
+1e-5: the sums over ranks run in another order; token counts and learning
+rates exactly): the data position, RNG states, LR schedule and optimizer
+moments all come back, resharded by DCP (LoRA without dropout, whose masks
+depend on which rank holds a sample). With the global batch changed at
+the resume (4 -> 8 samples per step), the resumed run must equal a resume
+of the same checkpoint on its own world size with the same change.
+
+Three torchrun launches (4, 2, then 4 ranks) serve every case
+(tests/resume_worker.py); a model this small trains in milliseconds a step,
+so the launches' start-up is most of the cost.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import resume_jobs
+from helpers import REPO_ROOT
+from torchtune_ext.checkpoint import is_sharded, list_checkpoints, verify_checkpoint
+
+pytestmark = pytest.mark.slow  # every test here runs torchrun (pyproject.toml: markers)
+
+TOL = 1e-5
+SHARDED = ["sharded_checkpoints=true", "epochs=1"]
+GLOBAL_4 = {4: ["batch_size=1", "gradient_accumulation_steps=1"], 2: ["batch_size=1", "gradient_accumulation_steps=2"]}
+GLOBAL_8 = {4: ["batch_size=2", "gradient_accumulation_steps=1"], 2: ["batch_size=2", "gradient_accumulation_steps=2"]}
+RECIPES = ("full_dist", "lora_dist")
+# Dropout draws from each rank's RNG for the samples that rank holds, so its masks depend on the world size
+# (torchtune_ext.checkpoint.ResumeState.rng_for): LoRA trains without it here, to compare across world sizes.
+NO_DROPOUT = {"full_dist": [], "lora_dist": ["model.lora_dropout=0.0"]}
+
+
+def _launch(nproc, setup_yaml, jobs):
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           str(REPO_ROOT / "tests" / "resume_worker.py"), str(setup_yaml), json.dumps(jobs)]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc.stdout + proc.stderr
+
+
+def _stopped_copy(root, source, name):
+    """A new output folder holding a copy of ``source``'s step_2 (as if that run had been moved elsewhere)."""
+    (root / name).mkdir()
+    shutil.copytree(root / source / "step_2", root / name / "step_2")
+    return str(root / name)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sharded")
+    setup_yaml = resume_jobs.setup(root / "tiny")
+
+    def job(recipe, out, world, batch=GLOBAL_4, **more):
+        overrides = [*SHARDED, *batch[world], *NO_DROPOUT[recipe]]
+        return {"recipe": recipe, "out": str(root / out), "overrides": overrides, **more}
+
+    first = []
+    for recipe in RECIPES:  # 4 ranks: the references of 4 -> 2, and runs stopped after step 2
+        first += [job(recipe, f"{recipe}_ref4", 4), job(recipe, f"{recipe}_stop4", 4, stops=[2], finish=False)]
+    logs = {4: _launch(4, setup_yaml, first)}
+    second = []
+    for recipe in RECIPES:  # 2 ranks: 4 -> 2 resumes, the references of 2 -> 4, runs stopped after step 2
+        second += [job(recipe, _stopped_copy(root, f"{recipe}_stop4", f"{recipe}_4to2"), 2, resume=True),
+                   job(recipe, f"{recipe}_ref2", 2), job(recipe, f"{recipe}_stop2", 2, stops=[2], finish=False)]
+    # the global batch changed at the resume: 4 ranks' checkpoint on 2 ranks, and on 4 ranks for reference
+    second.append(job("full_dist", _stopped_copy(root, "full_dist_stop4", "full_4to2_8"), 2, GLOBAL_8, resume=True))
+    logs[2] = _launch(2, setup_yaml, second)
+    third = [job(recipe, _stopped_copy(root, f"{recipe}_stop2", f"{recipe}_2to4"), 4, resume=True)
+             for recipe in RECIPES]
+    third += [job("full_dist", _stopped_copy(root, "full_dist_stop4", "full_4to4_8"), 4, GLOBAL_8, resume=True),
+              job("full_dist", _stopped_copy(root, "full_dist_stop2", "full_2to4_8"), 4, GLOBAL_8, resume=True)]
+    logs["4 again"] = _launch(4, setup_yaml, third)
+    # the reference of 2 -> 4 with the global batch changed: the 2 ranks' checkpoint resumed on 2 ranks
+    logs["2 again"] = _launch(2, setup_yaml, [
+        job("full_dist", _stopped_copy(root, "full_dist_stop2", "full_2to2_8"), 2, GLOBAL_8, resume=True)])
+    return root, logs
+
+
+def _assert_close(got, ref, steps):
+    for step in steps:
+        assert got[step]["num_tokens"] == ref[step]["num_tokens"] and got[step]["lr"] == ref[step]["lr"], step
+        for field in ("loss", "grad_norm"):
+            assert abs(got[step][field] - ref[step][field]) <= TOL * abs(ref[step][field]), (step, field)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("direction", ["4to2", "2to4"])
+def test_resume_on_another_world_size_continues_the_run(runs, recipe, direction):
+    root, logs = runs
+    saved, resumed = int(direction[0]), int(direction[-1])
+    stopped = root / f"{recipe}_{direction}" / "step_2"
+    assert is_sharded(stopped)
+    assert len(list((stopped / "dcp").glob("*.distcp"))) == saved  # one file per rank that wrote it
+    got = resume_jobs.by_step(root / f"{recipe}_{direction}")
+    ref = resume_jobs.by_step(root / f"{recipe}_ref{saved}")
+    assert sorted(got) == [3, 4] and sorted(ref) == [1, 2, 3, 4]  # the copy holds the checkpoint, not the logs
+    assert all(got[s]["dp_world_size"] == resumed for s in (3, 4))
+    _assert_close(got, ref, [3, 4])
+    assert f"dp_world_size {saved} -> {resumed}" in logs[2 if resumed == 2 else "4 again"]
+    final = list_checkpoints(str(root / f"{recipe}_{direction}"))[-1]
+    assert final.name == "step_4" and len(list((final / "dcp").glob("*.distcp"))) == resumed
+    verify_checkpoint(final, content=True)
+
+
+@pytest.mark.parametrize("direction,reference", [("4to2", "4to4"), ("2to4", "2to2")])
+def test_resume_with_another_global_batch_on_another_world_size(runs, direction, reference):
+    """4 samples per step before the stop, 8 after: the same steps on either world size."""
+    root, logs = runs
+    got, ref = resume_jobs.by_step(root / f"full_{direction}_8"), resume_jobs.by_step(root / f"full_{reference}_8")
+    assert sorted(got) == sorted(ref) == [3]  # 16 samples: 8 done in 2 steps, 8 left: 1 step
+    assert got[3]["dp_world_size"] == int(direction[-1]) and ref[3]["dp_world_size"] == int(reference[-1])
+    _assert_close(got, ref, [3])
+    assert "The global batch changes" in logs[2] + logs["4 again"]
