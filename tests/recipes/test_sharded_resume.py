@@ -12,9 +12,11 @@ depend on which rank holds a sample). With the global batch changed at
 the resume (4 -> 8 samples per step), the resumed run must equal a resume
 of the same checkpoint on its own world size with the same change.
 
-Three torchrun launches (4, 2, then 4 ranks) serve every case
+Four torchrun launches (4, 2, 4, then 2 ranks) serve every case
 (tests/resume_worker.py); a model this small trains in milliseconds a step,
-so the launches' start-up is most of the cost.
+so the launches' start-up is most of the cost. The first launch also trains
+the same runs with gathered saves: the final sharded checkpoint's Hugging
+Face folder, exported file by file, must equal theirs.
 """
 
 import json
@@ -24,9 +26,11 @@ import subprocess
 import sys
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 import resume_jobs
-from helpers import REPO_ROOT
+from helpers import REPO_ROOT, run_tune
 from torchtune_ext.checkpoint import is_sharded, list_checkpoints, verify_checkpoint
 
 pytestmark = pytest.mark.slow  # every test here runs torchrun (pyproject.toml: markers)
@@ -71,6 +75,9 @@ def runs(tmp_path_factory):
     first = []
     for recipe in RECIPES:  # 4 ranks: the references of 4 -> 2, and runs stopped after step 2
         first += [job(recipe, f"{recipe}_ref4", 4), job(recipe, f"{recipe}_stop4", 4, stops=[2], finish=False)]
+        gathered = job(recipe, f"{recipe}_gathered4", 4)  # today's gathered saves: what the export must equal
+        gathered["overrides"] = [*gathered["overrides"][1:], "sharded_checkpoints=false"]
+        first.append(gathered)
     logs = {4: _launch(4, setup_yaml, first)}
     second = []
     for recipe in RECIPES:  # 2 ranks: 4 -> 2 resumes, the references of 2 -> 4, runs stopped after step 2
@@ -125,3 +132,54 @@ def test_resume_with_another_global_batch_on_another_world_size(runs, direction,
     assert got[3]["dp_world_size"] == int(direction[-1]) and ref[3]["dp_world_size"] == int(reference[-1])
     _assert_close(got, ref, [3])
     assert "The global batch changes" in logs[2] + logs["4 again"]
+
+
+def _weights(folder):
+    """name -> tensor of every safetensors file under ``folder``, by path relative to it."""
+    return {(path.relative_to(folder).as_posix(), name): tensor
+            for path in sorted(folder.rglob("*.safetensors")) for name, tensor in load_file(str(path)).items()}
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_the_final_sharded_checkpoint_is_the_hugging_face_folder_a_gathered_save_writes(runs, recipe):
+    """The export, written file by file from 4 ranks' shards, equals rank 0's gathered save of the same run
+    (LoRA: the adapter alone, ``save_adapter_weights_only``), and loads in transformers / PEFT."""
+    root, _ = runs
+    sharded, gathered = root / f"{recipe}_ref4" / "step_4", root / f"{recipe}_gathered4" / "step_4"
+    assert is_sharded(sharded) and not is_sharded(gathered)
+    own = {"dcp", "recipe_state.pt", "checkpoint.json"}  # what a step folder holds besides the HF folder
+    files = {p.relative_to(sharded).as_posix() for p in sharded.rglob("*") if p.is_file()}
+    files_gathered = {p.relative_to(gathered).as_posix() for p in gathered.rglob("*") if p.is_file()}
+    assert {f for f in files if f.split("/")[0] not in own} == {f for f in files_gathered if f.split("/")[0] not in own}
+    got, want = _weights(sharded), _weights(gathered)
+    assert got.keys() == want.keys() and got
+    for key in want:
+        assert torch.allclose(got[key], want[key], rtol=TOL, atol=1e-7), key
+    if recipe == "full_dist":
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(sharded), torch_dtype=torch.float32)
+        loaded = model.state_dict()
+        for (_, name), tensor in got.items():
+            assert torch.equal(loaded[name], tensor), name
+    else:
+        from peft import PeftConfig
+
+        assert PeftConfig.from_pretrained(str(sharded / "adapter")).r == 4
+
+
+def test_resume_from_a_sharded_checkpoint_with_another_model_is_one_line_and_exit_2(runs, tmp_path):
+    """One layer fewer than the checkpoint: refused before any weight is read (one rank: 4 -> 1), nothing lost."""
+    root, _ = runs
+    out = _stopped_copy(root, "full_dist_stop4", "other_model")
+    before = {p.name: p.read_bytes() for p in (root / "other_model" / "step_2" / "dcp").iterdir()}
+    proc = run_tune("--nproc_per_node", "1", "recipes/full_finetune_distributed.py", "--config",
+                    str(root / "tiny" / "tiny.yaml"), f"output_dir={out}", "sharded_checkpoints=true", "epochs=1",
+                    "resume_from_checkpoint=true", "model.num_layers=1", extra_env={"OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: config key 'resume_from_checkpoint':") and "another model" in last, last
+    assert "'layers.1.attn.q_proj.weight' is in the checkpoint but not in the model" in last
+    assert "Traceback" not in proc.stderr
+    assert {p.name: p.read_bytes() for p in (root / "other_model" / "step_2" / "dcp").iterdir()} == before
+    assert [c.name for c in list_checkpoints(out)] == ["step_2"]
