@@ -216,7 +216,9 @@ class TrainingRun:
             epoch = progress.epoch
             for step_data in self.data.epoch(progress.epoch, progress.samples_in_epoch, progress.steps_in_epoch):
                 if self._stop.requested():  # all ranks agree
-                    return self._stop.stop(save_checkpoint() if progress.step else None, progress.step)
+                    saved = save_checkpoint() if progress.step else None
+                    self.checkpoints.wait()  # an asynchronous save is complete before the exit status says so
+                    return self._stop.stop(saved, progress.step)
                 reporter.start_step()
                 lr = training.get_lr(self.optimizer)
                 result = train_step(
