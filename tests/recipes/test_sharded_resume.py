@@ -3,7 +3,8 @@
 Each run is a distributed recipe with ``sharded_checkpoints: true`` on the
 tiny setup of tests/tiny_setup.py (4 optimizer steps of 4 samples), stopped
 by a real SIGTERM after step 2 (the stop saves a sharded checkpoint, exit
-75) and resumed on the other world size from a copy of that checkpoint. The
+75; on 2 ranks asynchronously, after every step, as ``enable_async_checkpointing``
+does) and resumed on the other world size from a copy of that checkpoint. The
 resumed steps 3-4 must equal the uninterrupted run's (loss and grad norm to
 1e-5: the sums over ranks run in another order; token counts and learning
 rates exactly): the data position, RNG states, LR schedule and optimizer
@@ -83,6 +84,8 @@ def runs(tmp_path_factory):
     for recipe in RECIPES:  # 2 ranks: 4 -> 2 resumes, the references of 2 -> 4, runs stopped after step 2
         second += [job(recipe, _stopped_copy(root, f"{recipe}_stop4", f"{recipe}_4to2"), 2, resume=True),
                    job(recipe, f"{recipe}_ref2", 2), job(recipe, f"{recipe}_stop2", 2, stops=[2], finish=False)]
+        # the 2-rank runs stopped save asynchronously after every step: the 2 -> 4 resumes read those saves
+        second[-1]["overrides"] += ["enable_async_checkpointing=true", "save_every_n_steps=1"]
     # the global batch changed at the resume: 4 ranks' checkpoint on 2 ranks, and on 4 ranks for reference
     second.append(job("full_dist", _stopped_copy(root, "full_dist_stop4", "full_4to2_8"), 2, GLOBAL_8, resume=True))
     logs[2] = _launch(2, setup_yaml, second)
@@ -111,6 +114,8 @@ def test_resume_on_another_world_size_continues_the_run(runs, recipe, direction)
     saved, resumed = int(direction[0]), int(direction[-1])
     stopped = root / f"{recipe}_{direction}" / "step_2"
     assert is_sharded(stopped)
+    if saved == 2:  # saved asynchronously after each step: step 1's save too
+        assert [c.name for c in list_checkpoints(str(root / f"{recipe}_stop2"))] == ["step_1", "step_2"]
     assert len(list((stopped / "dcp").glob("*.distcp"))) == saved  # one file per rank that wrote it
     got = resume_jobs.by_step(root / f"{recipe}_{direction}")
     ref = resume_jobs.by_step(root / f"{recipe}_ref{saved}")
