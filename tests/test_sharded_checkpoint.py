@@ -6,7 +6,11 @@ on a tiny torchtune Llama, in well under a second.
 """
 
 import errno
+import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +23,7 @@ from torchtune_ext.checkpoint import (
     Progress,
     ShardedStateDict,
     is_sharded,
+    list_checkpoints,
     load_model_shards,
     load_optimizer_shards,
     saved_tensors,
@@ -191,3 +196,50 @@ def test_a_failed_asynchronous_save_is_a_failed_save_at_the_next_save_or_wait(as
     assert not folder.exists() and not manager.staging.exists()
     verify_checkpoint(folder.parent / "step_1", content=True)  # the previous checkpoint is intact
     manager.wait()  # reported once
+
+
+KILLED_DURING_ASYNC_SAVE = """
+import sys, threading, torch
+sys.path.insert(0, {tests!r})
+from test_sharded_checkpoint import _llama, _progress, _trained
+from omegaconf import OmegaConf
+from torchtune_ext.checkpoint import CheckpointManager
+
+manager = CheckpointManager(OmegaConf.create({{}}), {out!r}, sharded_saves=True, asynchronous=True)
+model = _llama()
+optimizer = _trained(model)
+manager.save_sharded(model, optimizer, _progress(1))
+complete = CheckpointManager._complete
+
+def killed_here(self, *args, **kwargs):  # every shard of step 2 is written; its manifest is not
+    print("shards written", flush=True)
+    threading.Event().wait()
+
+CheckpointManager._complete = killed_here
+manager.save_sharded(model, optimizer, _progress(2), asynchronous=True)
+threading.Event().wait()
+"""
+
+
+@pytest.mark.slow  # a Python process of its own: seconds of imports
+def test_a_kill_during_an_asynchronous_save_leaves_the_previous_checkpoint_the_latest(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    code = KILLED_DURING_ASYNC_SAVE.format(tests=str(Path(__file__).parent), out=str(out))
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        assert proc.stdout.readline() == "shards written\n"
+        assert any((out / ".staging").rglob("*.distcp"))
+    finally:
+        proc.kill()
+        proc.wait()
+    assert [c.name for c in list_checkpoints(str(out))] == ["step_1"]
+    verify_checkpoint(out / "step_1", content=True)
+    # the next run's first save clears the dead save's staging folder and counts as usual
+    manager = CheckpointManager(OmegaConf.create({}), str(out), sharded_saves=True)
+    model = _llama()
+    manager.save_sharded(model, _trained(model), _progress(2))
+    assert [c.name for c in list_checkpoints(str(out))] == ["step_1", "step_2"]
+    assert not (out / ".staging").exists()
+    verify_checkpoint(out / "step_2", content=True)

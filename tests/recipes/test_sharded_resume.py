@@ -22,6 +22,7 @@ Face folder, exported file by file, must equal theirs.
 
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -65,9 +66,13 @@ def _stopped_copy(root, source, name):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def setup_yaml(tmp_path_factory):
+    return resume_jobs.setup(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, setup_yaml):
     root = tmp_path_factory.mktemp("sharded")
-    setup_yaml = resume_jobs.setup(root / "tiny")
 
     def job(recipe, out, world, batch=GLOBAL_4, **more):
         overrides = [*SHARDED, *batch[world], *NO_DROPOUT[recipe]]
@@ -173,13 +178,13 @@ def test_the_final_sharded_checkpoint_is_the_hugging_face_folder_a_gathered_save
         assert PeftConfig.from_pretrained(str(sharded / "adapter")).r == 4
 
 
-def test_resume_from_a_sharded_checkpoint_with_another_model_is_one_line_and_exit_2(runs, tmp_path):
+def test_resume_from_a_sharded_checkpoint_with_another_model_is_one_line_and_exit_2(runs, setup_yaml):
     """One layer fewer than the checkpoint: refused before any weight is read (one rank: 4 -> 1), nothing lost."""
     root, _ = runs
     out = _stopped_copy(root, "full_dist_stop4", "other_model")
     before = {p.name: p.read_bytes() for p in (root / "other_model" / "step_2" / "dcp").iterdir()}
-    proc = run_tune("--nproc_per_node", "1", "recipes/full_finetune_distributed.py", "--config",
-                    str(root / "tiny" / "tiny.yaml"), f"output_dir={out}", "sharded_checkpoints=true", "epochs=1",
+    proc = run_tune("--nproc_per_node", "1", "recipes/full_finetune_distributed.py", "--config", str(setup_yaml),
+                    f"output_dir={out}", "sharded_checkpoints=true", "epochs=1",
                     "resume_from_checkpoint=true", "model.num_layers=1", extra_env={"OMP_NUM_THREADS": "1"})
     assert proc.returncode == 2, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
@@ -188,3 +193,25 @@ def test_resume_from_a_sharded_checkpoint_with_another_model_is_one_line_and_exi
     assert "Traceback" not in proc.stderr
     assert {p.name: p.read_bytes() for p in (root / "other_model" / "step_2" / "dcp").iterdir()} == before
     assert [c.name for c in list_checkpoints(out)] == ["step_2"]
+
+
+def test_a_failed_asynchronous_save_stops_the_run_with_one_line_and_exit_74(setup_yaml, tmp_path):
+    """A write that fails in the background (a file size limit: the shards do not fit, recipe_state.pt does) is
+    reported by the next save as a failed save: one line naming the checkpoint, exit 74, nothing left behind."""
+    out = tmp_path / "out"
+
+    def limit_file_size():  # ulimit -f: a write past it fails with EFBIG (Python ignores SIGXFSZ)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+
+    proc = subprocess.run(
+        ["tune", "run", "--nproc_per_node", "1", "recipes/full_finetune_distributed.py", "--config",
+         str(setup_yaml), f"output_dir={out}", "enable_async_checkpointing=true", "epochs=1",
+         "save_every_n_steps=1"],
+        cwd=REPO_ROOT, env=resume_jobs.subprocess_env(), capture_output=True, text=True, timeout=600,
+        preexec_fn=limit_file_size)
+    assert proc.returncode == 74, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    errors = [line[line.index("error:"):] for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and errors[0].startswith(f"error: saving step_1 in output_dir '{out}' failed ("), errors
+    assert "no checkpoint of this run exists yet" in errors[0]
+    assert not (out / ".staging").exists() and list_checkpoints(str(out)) == []
