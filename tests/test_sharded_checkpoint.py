@@ -15,13 +15,17 @@ from pathlib import Path
 import pytest
 import torch
 from omegaconf import OmegaConf
+from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemWriter
 from torchtune.models.llama3_2 import llama3_2
 
+import tiny_setup
 from torchtune_ext.checkpoint import (
     CheckpointManager,
     Progress,
     ShardedStateDict,
+    expected_checkpoint_bytes,
+    export_hf,
     is_sharded,
     list_checkpoints,
     load_model_shards,
@@ -243,3 +247,32 @@ def test_a_kill_during_an_asynchronous_save_leaves_the_previous_checkpoint_the_l
     assert [c.name for c in list_checkpoints(str(out))] == ["step_1", "step_2"]
     assert not (out / ".staging").exists()
     verify_checkpoint(out / "step_2", content=True)
+
+
+def test_the_start_up_estimate_bounds_a_final_sharded_checkpoint_with_its_export_closely(tmp_path):
+    """The disk estimate of a sharded run (shards + optimizer + the final Hugging Face export) is an upper bound of
+    the final checkpoint, the largest one, and a close one; the export equals the base file's layout."""
+    base = tmp_path / "base"
+    base.mkdir()
+    vocab = tiny_setup.write_tokenizer(base)
+    tiny_setup.write_checkpoint(base, vocab)
+    checkpointer = OmegaConf.create({"_component_": "torchtune.training.FullModelHFCheckpointer",
+                                     "checkpoint_dir": str(base), "checkpoint_files": ["model.safetensors"],
+                                     "model_type": "LLAMA3_2"})
+    torch.manual_seed(0)
+    model = llama3_2(vocab_size=vocab, num_layers=tiny_setup.LAYERS, num_heads=tiny_setup.HEADS,
+                     num_kv_heads=tiny_setup.KV_HEADS, embed_dim=tiny_setup.DIM, max_seq_len=64,
+                     intermediate_dim=tiny_setup.HIDDEN)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randint(0, vocab, (2, 8))).sum().backward()
+    optimizer.step()
+    (tmp_path / "out").mkdir()
+    manager = CheckpointManager(checkpointer, str(tmp_path / "out"), sharded_saves=True)
+    folder = manager.save_sharded(model, optimizer, _progress(1), export=lambda staging, rank, world: export_hf(
+        staging, staging, checkpointer, rank=rank, world_size=world))
+    verify_checkpoint(folder, content=True)
+    written = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    estimate = expected_checkpoint_bytes(model, optimizer, sharded=True)
+    assert written <= estimate <= written + 160 * 2**10, (written, estimate)
+    exported = load_file(str(folder / "model-00001-of-00001.safetensors"))
+    assert exported.keys() == load_file(str(base / "model.safetensors")).keys()

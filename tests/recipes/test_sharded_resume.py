@@ -34,6 +34,7 @@ from safetensors.torch import load_file
 import resume_jobs
 from helpers import REPO_ROOT, run_tune
 from torchtune_ext.checkpoint import is_sharded, list_checkpoints, verify_checkpoint
+from torchtune_ext.checkpoint.export import main as export_main
 
 pytestmark = pytest.mark.slow  # every test here runs torchrun (pyproject.toml: markers)
 
@@ -82,7 +83,7 @@ def runs(tmp_path_factory, setup_yaml):
     for recipe in RECIPES:  # 4 ranks: the references of 4 -> 2, and runs stopped after step 2
         first += [job(recipe, f"{recipe}_ref4", 4), job(recipe, f"{recipe}_stop4", 4, stops=[2], finish=False)]
         gathered = job(recipe, f"{recipe}_gathered4", 4)  # today's gathered saves: what the export must equal
-        gathered["overrides"] = [*gathered["overrides"][1:], "sharded_checkpoints=false"]
+        gathered["overrides"] = [*gathered["overrides"][1:], "sharded_checkpoints=false", "save_every_n_steps=2"]
         first.append(gathered)
     logs = {4: _launch(4, setup_yaml, first)}
     second = []
@@ -176,6 +177,27 @@ def test_the_final_sharded_checkpoint_is_the_hugging_face_folder_a_gathered_save
         from peft import PeftConfig
 
         assert PeftConfig.from_pretrained(str(sharded / "adapter")).r == 4
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_any_sharded_checkpoint_exports_on_request_to_what_a_gathered_save_writes(runs, recipe, tmp_path, capsys):
+    """``python -m torchtune_ext.checkpoint.export``: a stop's checkpoint (shards only) of 4 ranks, in one process."""
+    root, _ = runs
+    stopped, gathered = root / f"{recipe}_stop4" / "step_2", root / f"{recipe}_gathered4" / "step_2"
+    assert not list(stopped.glob("*.safetensors"))  # a stop's checkpoint holds the shards only
+    assert export_main([str(stopped), str(tmp_path / "hf")]) == 0
+    got, want = _weights(tmp_path / "hf"), _weights(gathered)
+    assert got.keys() == want.keys() and got
+    for key in want:
+        assert torch.allclose(got[key], want[key], rtol=TOL, atol=1e-7), key
+    # bad input: one line, status 2, nothing overwritten
+    assert export_main([str(stopped), str(tmp_path / "hf")]) == 2
+    assert export_main([str(gathered), str(tmp_path / "other")]) == 2
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert errors[0] == f"error: '{tmp_path / 'hf'}' exists and is not an empty folder: nothing is overwritten; " \
+        "give a new folder"
+    assert errors[1].startswith(f"error: '{gathered}' is not a sharded checkpoint") and len(errors) == 2
+    assert _weights(tmp_path / "hf").keys() == want.keys() and not (tmp_path / "other").exists()
 
 
 def test_resume_from_a_sharded_checkpoint_with_another_model_is_one_line_and_exit_2(runs, setup_yaml):

@@ -42,7 +42,8 @@ The modules, each with one job:
 * :mod:`~torchtune_ext.checkpoint.failures`: a full disk or a failed write, told from a bug;
 * :mod:`~torchtune_ext.checkpoint.writer`: the atomic writer, :class:`CheckpointManager`;
 * :mod:`~torchtune_ext.checkpoint.sharded`: sharded checkpoints (torch.distributed.checkpoint): each rank's shards;
-* :mod:`~torchtune_ext.checkpoint.hf_export`: a Hugging Face folder from a sharded checkpoint, file by file;
+* :mod:`~torchtune_ext.checkpoint.hf_export`: a Hugging Face folder from a sharded checkpoint, file by file
+  (on request: ``python -m torchtune_ext.checkpoint.export STEP_FOLDER OUT``);
 * :mod:`~torchtune_ext.checkpoint.lora_export`: the LoRA merge and the PEFT adapter;
 * :mod:`~torchtune_ext.checkpoint.model_state`: loading a state dict into a model, a misfit in one line.
 
@@ -64,7 +65,7 @@ from torchtune_ext.checkpoint.discovery import (
     verify_checkpoint,
 )
 from torchtune_ext.checkpoint.failures import write_failed
-from torchtune_ext.checkpoint.hf_export import export_hf
+from torchtune_ext.checkpoint.hf_export import export_hf, export_step
 from torchtune_ext.checkpoint.lora_export import arrange_lora_folder, lora_checkpoint_state, peft_adapter_weights
 from torchtune_ext.checkpoint.model_state import check_adapter_fits, check_model_fits, load_model_state
 from torchtune_ext.checkpoint.progress import Progress
@@ -102,6 +103,7 @@ __all__ = [
     "check_model_fits",
     "expected_checkpoint_bytes",
     "export_hf",
+    "export_step",
     "file_sha256",
     "incomplete_checkpoints",
     "intact_before",

@@ -14,6 +14,12 @@ needed is one output file (one base checkpoint file; ~5 GB for most HF
 models), not the model. Ranks share the files: rank ``r`` writes files
 ``r``, ``r + world``, ...
 
+On request, any sharded checkpoint (a periodic or a stop's one too) becomes
+such a folder in one process, with the run's settings read from its
+``recipe_state.pt``::
+
+    python -m torchtune_ext.checkpoint.export outputs/run/step_200 outputs/run/step_200_hf
+
 Families: the converters that work tensor by tensor (Llama 2/3/3.2,
 Mistral, Gemma, Gemma 2, Qwen2). Phi-3/Phi-4 fuse q/k/v into one HF tensor
 and are refused by the config check
@@ -21,19 +27,23 @@ and are refused by the config check
 """
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
+from omegaconf import OmegaConf
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torchtune.models import convert_weights
 
 from torchtune_ext.checkpoint.discovery import MANIFEST, RECIPE_STATE
 from torchtune_ext.checkpoint.lora_export import adapter_config, arrange_lora_folder
-from torchtune_ext.checkpoint.sharded import is_adapter_key, read_full_tensors, saved_tensors
+from torchtune_ext.checkpoint.resume_state import load_recipe_state
+from torchtune_ext.checkpoint.sharded import is_adapter_key, is_sharded, read_full_tensors, saved_tensors
 from torchtune_ext.config import lora_settings
+from torchtune_ext.errors import UserError
 
 INDEX = "model.safetensors.index.json"
 # What the HF checkpointer does not copy from the base folder: weights and their indexes (torchtune's list),
@@ -183,3 +193,40 @@ def _write_adapter(out: Path, adapter: Dict[str, torch.Tensor], cfg_model: Any, 
     (out / "adapter_config.json").write_text(json.dumps(tune_to_peft_adapter_config(adapter_config(cfg_model))))
     arrange_lora_folder(out, cfg_checkpointer)
     return sorted(p.relative_to(out).as_posix() for p in (out / "adapter").rglob("*") if p.is_file())
+
+
+def export_step(step_folder: Path, out: Path) -> List[str]:
+    """The Hugging Face folder of a sharded checkpoint, written to ``out`` in this process.
+
+    The base checkpoint, model type and LoRA settings are the run's (its
+    ``recipe_state.pt``); ``out`` is written as ``<out>.partial`` and renamed
+    when complete. Returns the names written.
+
+    Raises:
+        UserError: ``step_folder`` is no complete sharded checkpoint, its run's
+            base checkpoint folder is gone, or ``out`` exists and is not empty.
+    """
+    step_folder, out = Path(step_folder), Path(out)
+    if not is_sharded(step_folder):
+        raise UserError(f"'{step_folder}' is not a sharded checkpoint (no dcp/.metadata): give a step_<N> folder of a "
+                        "run with sharded_checkpoints: true; a gathered checkpoint is a Hugging Face folder already")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"'{out}' exists and is not an empty folder: nothing is overwritten; give a new folder")
+    config = load_recipe_state(step_folder).config  # verifies the manifest first
+    if not config or "checkpointer" not in config:
+        raise UserError(f"'{step_folder / RECIPE_STATE}' holds no run config: it cannot say which base checkpoint "
+                        "and model type the shards belong to")
+    checkpointer = config["checkpointer"]
+    if not (Path(str(checkpointer["checkpoint_dir"])) / "config.json").is_file():
+        raise UserError(f"the run's base checkpoint folder '{checkpointer['checkpoint_dir']}' (its config.json and "
+                        "tokenizer files go into the export) is gone: restore it there")
+    lora = any(is_adapter_key(k) for k in saved_tensors(step_folder))
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    written = export_hf(step_folder, partial, OmegaConf.create(checkpointer), OmegaConf.create(config["model"]),
+                        adapter_only=lora and bool(config.get("save_adapter_weights_only", False)))
+    if out.exists():
+        out.rmdir()  # empty: checked above
+    os.replace(partial, out)
+    return written
