@@ -237,3 +237,15 @@ def test_a_failed_asynchronous_save_stops_the_run_with_one_line_and_exit_74(setu
     assert len(errors) == 1 and errors[0].startswith(f"error: saving step_1 in output_dir '{out}' failed ("), errors
     assert "no checkpoint of this run exists yet" in errors[0]
     assert not (out / ".staging").exists() and list_checkpoints(str(out)) == []
+
+
+def test_a_sharded_checkpoint_resumes_exactly_on_the_single_device_recipe(runs, setup_yaml):
+    """2 ranks' shards read whole in one process (batch 1 x 4 accumulation steps: the same global batch)."""
+    root, _ = runs
+    out = _stopped_copy(root, "full_dist_stop2", "full_2to_single")
+    cfg = resume_jobs.config(setup_yaml, "full_single", out, "epochs=1", "batch_size=1",
+                             "gradient_accumulation_steps=4", "resume_from_checkpoint=true")
+    assert resume_jobs.run("full_single", cfg) == 0
+    got, ref = resume_jobs.by_step(root / "full_2to_single"), resume_jobs.by_step(root / "full_dist_ref2")
+    assert sorted(got) == [3, 4]  # the single-device recipe logs no dp_world_size
+    _assert_close(got, ref, [3, 4])

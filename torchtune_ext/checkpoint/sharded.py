@@ -225,8 +225,10 @@ def load_optimizer_shards(model: torch.nn.Module, optimizer: torch.optim.Optimiz
     """
     state = get_optimizer_state_dict(model, optimizer)
     try:
-        dcp.load({OPTIMIZER: state}, checkpoint_id=str(Path(folder) / DCP_DIR),
-                 no_dist=not ranks.in_process_group())
+        with warnings.catch_warnings():  # in one process: "assuming the intent is to load in a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({OPTIMIZER: state}, checkpoint_id=str(Path(folder) / DCP_DIR),
+                     no_dist=not ranks.in_process_group())
     except BaseException as err:
         if not isinstance(err, Exception) and type(err).__name__ != "CheckpointException":
             raise
