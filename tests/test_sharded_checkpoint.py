@@ -276,3 +276,13 @@ def test_the_start_up_estimate_bounds_a_final_sharded_checkpoint_with_its_export
     assert written <= estimate <= written + 160 * 2**10, (written, estimate)
     exported = load_file(str(folder / "model-00001-of-00001.safetensors"))
     assert exported.keys() == load_file(str(base / "model.safetensors")).keys()
+
+
+def test_sharded_saves_keep_the_newest_n(tmp_path):
+    (tmp_path / "out").mkdir()
+    manager = CheckpointManager(OmegaConf.create({}), str(tmp_path / "out"), keep_last_n=2, sharded_saves=True)
+    model = _llama()
+    optimizer = _trained(model)
+    for step in (1, 2, 3):
+        manager.save_sharded(model, optimizer, _progress(step))
+    assert [c.name for c in list_checkpoints(str(tmp_path / "out"))] == ["step_2", "step_3"]
