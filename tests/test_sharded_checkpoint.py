@@ -6,6 +6,7 @@ on a tiny torchtune Llama, in well under a second.
 """
 
 import errno
+import json
 import os
 import subprocess
 import sys
@@ -286,3 +287,26 @@ def test_sharded_saves_keep_the_newest_n(tmp_path):
     for step in (1, 2, 3):
         manager.save_sharded(model, optimizer, _progress(step))
     assert [c.name for c in list_checkpoints(str(tmp_path / "out"))] == ["step_2", "step_3"]
+
+
+@pytest.mark.slow  # torchrun, 2 processes
+def test_a_write_that_fails_on_one_rank_fails_the_save_on_every_rank_with_the_same_line(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+        [str(Path(__file__).parent.parent), str(Path(__file__).parent)]))
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(Path(__file__).parent / "sharded_failure_worker.py"), str(out)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    outcomes = [json.loads((out / f"outcome.{rank}.json").read_text()) for rank in (0, 1)]
+    assert outcomes[0] == outcomes[1]  # every rank stops with the same line (the recipes exit 74 on it)
+    for step in ("2", "3"):  # synchronous, then asynchronous
+        message = outcomes[0][step]
+        assert message.startswith(f"the disk filled up while saving step_{step} in output_dir '{out}' on rank 1 "
+                                  "(OSError: [Errno 28] No space left on device)"), message
+        assert f"{out / 'step_1'} is intact" in message and "\n" not in message
+    assert [c.name for c in list_checkpoints(str(out))] == ["step_1"] and not (out / ".staging").exists()
+    verify_checkpoint(out / "step_1", content=True)
