@@ -36,7 +36,9 @@ from torchtune_ext.checkpoint import (
     CheckpointManager,
     Progress,
     expected_checkpoint_bytes,
+    export_hf,
     latest_checkpoint,
+    load_optimizer_shards,
     load_recipe_state,
     set_rng_state,
 )
@@ -136,7 +138,8 @@ class TrainingRun:
         self.val_data = build_val_loader(cfg, self.tokenizer, ignore_index=self.loss_fn.ignore_index, **dp)
         self._total_steps = self.progress.plan(self.data, cfg.epochs)
 
-        self.checkpoints = CheckpointManager.from_config(cfg, dp_world_size=self.world_size)
+        self.checkpoints = CheckpointManager.from_config(cfg, dp_world_size=self.world_size,
+                                                         distributed=self.distributed)
         return self.checkpoints.load(resume_from, adapter=adapter)
 
     def setup_training(self, model: torch.nn.Module, trainable_parameters: Iterable[torch.nn.Parameter], *,
@@ -164,12 +167,19 @@ class TrainingRun:
                                          limit=cfg.once_per_step_memory_limit)
         self.lr_scheduler = build_lr_scheduler(cfg.lr_scheduler, self.optimizer, self._total_steps)
         if self._resumed:
-            load_optimizer_state = (partial(parallel.load_full_optimizer_state_dict, model, self.optimizer,
-                                            device=self.device) if self.distributed else None)
+            if self._resumed.sharded:  # each rank reads its shards of the optimizer state, at any world size
+                load_optimizer_state = lambda _: load_optimizer_shards(model, self.optimizer, self._resumed.path)  # noqa: E731
+            elif self.distributed:
+                load_optimizer_state = partial(parallel.load_full_optimizer_state_dict, model, self.optimizer,
+                                               device=self.device)
+            else:
+                load_optimizer_state = None
             restore_training(self._resumed, cfg, self.optimizer, self.lr_scheduler, dp_world_size=self.world_size,
                              rank=self.rank, load_optimizer_state=load_optimizer_state)
+        self._lora = lora
         size = expected_checkpoint_bytes(model, self.optimizer, lora=lora,
-                                         adapter_only=bool(cfg.get("save_adapter_weights_only", False)))
+                                         adapter_only=bool(cfg.get("save_adapter_weights_only", False)),
+                                         sharded=bool(cfg.get("sharded_checkpoints", False)))
         self.checkpoints.announce(size, self.progress, self.data, cfg)  # refuses to start without room for one
 
         self._health = StepHealth(cfg.output_dir, skip_nonfinite_steps=cfg.skip_nonfinite_steps,
@@ -206,7 +216,9 @@ class TrainingRun:
             epoch = progress.epoch
             for step_data in self.data.epoch(progress.epoch, progress.samples_in_epoch, progress.steps_in_epoch):
                 if self._stop.requested():  # all ranks agree
-                    return self._stop.stop(save_checkpoint() if progress.step else None, progress.step)
+                    saved = save_checkpoint() if progress.step else None
+                    self.checkpoints.wait()  # an asynchronous save is complete before the exit status says so
+                    return self._stop.stop(saved, progress.step)
                 reporter.start_step()
                 lr = training.get_lr(self.optimizer)
                 result = train_step(
@@ -231,6 +243,7 @@ class TrainingRun:
                 progress.complete_epoch()
             if progress.epoch < cfg.epochs or cfg.save_final_checkpoint:
                 save_checkpoint()
+        self.checkpoints.wait()  # an asynchronous save still in flight: its failure is the run's
         reporter.close()
         self.log(self._health.finish())  # a summary; an error if the run ended in non-finite steps
         return self._stop.finished()  # a signal during the cleanup no longer changes the outcome
@@ -256,8 +269,40 @@ class TrainingRun:
         return self.checkpoints.save(state, self.progress, optimizer_state, rng_by_rank=rng_by_rank,
                                      adapter_only=adapter_only, suspect_from=self._health.suspect_from)
 
+    def save_sharded(self) -> Path:
+        """Save a sharded checkpoint (``sharded_checkpoints``): every rank writes its own shards, nothing is gathered.
+
+        What it holds: the model's state (LoRA with ``save_adapter_weights_only``:
+        the adapter alone; otherwise the base weights too, so that the last
+        checkpoint can be merged), the optimizer's, and as :meth:`save` the
+        progress and every rank's RNG states. The run's last checkpoint also
+        becomes a Hugging Face folder, written from the shards file by file
+        (:func:`torchtune_ext.checkpoint.export_hf`). With
+        ``enable_async_checkpointing`` every other save returns once the shards
+        are copied, and training goes on while they are written
+        (:meth:`torchtune_ext.checkpoint.CheckpointManager.save_sharded`).
+        Returns the step folder.
+        """
+        cfg = self.cfg
+        adapter_only = self._lora and bool(cfg.get("save_adapter_weights_only", False))
+        keys = [name for name, p in self.model.named_parameters() if p.requires_grad] if adapter_only else None
+        final = self.progress.epoch >= cfg.epochs  # the end of training (a stop's save is not)
+        export = export_bytes = None
+        if final:
+            export = partial(_export_step, cfg=cfg, adapter_only=adapter_only)
+            export_bytes = 0 if adapter_only else sum(
+                p.numel() * p.element_size() for name, p in self.model.state_dict().items()
+                if not any(part in name for part in ("lora_a", "lora_b", "magnitude")))
+        rng_by_rank = parallel.gather_rng_states() if self.distributed else None
+        return self.checkpoints.save_sharded(
+            self.model, self.optimizer, self.progress, rng_by_rank=rng_by_rank, keys=keys, export=export,
+            export_bytes=export_bytes or 0, asynchronous=bool(cfg.enable_async_checkpointing) and not final,
+            suspect_from=self._health.suspect_from)
+
     def cleanup(self) -> None:
         """Close the metric logger, restore the signal handlers, release the lock, leave the process group."""
+        if getattr(self, "checkpoints", None) is not None:
+            self.checkpoints.close()  # a save still in flight ends first
         if self.metric_logger is not None:
             self.metric_logger.close()
         self._stop.close()
@@ -285,14 +330,26 @@ class FinetuneRecipe:
         self.run = TrainingRun(cfg, distributed=self.distributed)  # device, dtype, process group, seed, signals
 
     def train(self) -> int:
-        """Train to the end or to a stop; returns the exit status (:meth:`TrainingRun.train`)."""
-        return self.run.train(self.save_checkpoint)
+        """Train to the end or to a stop; returns the exit status (:meth:`TrainingRun.train`).
+
+        With ``sharded_checkpoints`` the run saves its model's shards itself
+        (:meth:`TrainingRun.save_sharded`): the recipe's ``save_checkpoint``
+        says what a gathered checkpoint holds.
+        """
+        save = self.run.save_sharded if self.cfg.get("sharded_checkpoints") else self.save_checkpoint
+        return self.run.train(save)
 
     def save_checkpoint(self) -> Path:
         raise NotImplementedError("a recipe says what its checkpoint holds")
 
     def cleanup(self) -> None:
         self.run.cleanup()
+
+
+def _export_step(folder: Path, rank: int, world_size: int, *, cfg: DictConfig, adapter_only: bool) -> list:
+    """Rank ``rank``'s share of the Hugging Face folder of the sharded checkpoint in ``folder`` (its staging folder)."""
+    return export_hf(folder, folder, cfg.checkpointer, cfg.model, adapter_only=adapter_only, rank=rank,
+                     world_size=world_size)
 
 
 def run_recipe(recipe_class: Type, cfg: DictConfig, extra_keys: Optional[Dict[str, recipe_config.Key]] = None) -> int:

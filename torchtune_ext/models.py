@@ -389,10 +389,18 @@ def load_sharded_model_state(model: nn.Module, state_dict: dict, device: torch.d
     would become a parameter of its own, trained apart from the token
     embedding (and unknown to the optimizer's view of the model).
 
+    A sharded checkpoint's :class:`torchtune_ext.checkpoint.ShardedStateDict`
+    is loaded shard by shard instead (:func:`torchtune_ext.checkpoint.load_model_shards`):
+    each rank reads only its own part, at any world size.
+
     Returns:
         ``(missing_keys, unexpected_keys)``.
     """
-    keys = distributed.load_full_model_state_dict(model, state_dict, device, **kwargs)
+    if isinstance(state_dict, checkpoint.ShardedStateDict):
+        keys = checkpoint.load_model_shards(model, state_dict, device, cpu_offload=kwargs.get("cpu_offload", False),
+                                            strict=kwargs.get("strict", True), model_name=kwargs.get("model_name"))
+    else:
+        keys = distributed.load_full_model_state_dict(model, state_dict, device, **kwargs)
     if is_hf_model(model):
         model.tie_weights()  # a no-op for untied models
     return keys

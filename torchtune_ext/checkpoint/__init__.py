@@ -41,6 +41,9 @@ The modules, each with one job:
 * :mod:`~torchtune_ext.checkpoint.resume_state`: ``recipe_state.pt`` and reading it back;
 * :mod:`~torchtune_ext.checkpoint.failures`: a full disk or a failed write, told from a bug;
 * :mod:`~torchtune_ext.checkpoint.writer`: the atomic writer, :class:`CheckpointManager`;
+* :mod:`~torchtune_ext.checkpoint.sharded`: sharded checkpoints (torch.distributed.checkpoint): each rank's shards;
+* :mod:`~torchtune_ext.checkpoint.hf_export`: a Hugging Face folder from a sharded checkpoint, file by file
+  (on request: ``python -m torchtune_ext.checkpoint.export STEP_FOLDER OUT``);
 * :mod:`~torchtune_ext.checkpoint.lora_export`: the LoRA merge and the PEFT adapter;
 * :mod:`~torchtune_ext.checkpoint.model_state`: loading a state dict into a model, a misfit in one line.
 
@@ -62,11 +65,20 @@ from torchtune_ext.checkpoint.discovery import (
     verify_checkpoint,
 )
 from torchtune_ext.checkpoint.failures import write_failed
+from torchtune_ext.checkpoint.hf_export import export_hf, export_step
 from torchtune_ext.checkpoint.lora_export import arrange_lora_folder, lora_checkpoint_state, peft_adapter_weights
 from torchtune_ext.checkpoint.model_state import check_adapter_fits, check_model_fits, load_model_state
 from torchtune_ext.checkpoint.progress import Progress
 from torchtune_ext.checkpoint.resume_state import ResumeState, load_recipe_state
 from torchtune_ext.checkpoint.rng import rng_state, set_rng_state
+from torchtune_ext.checkpoint.sharded import (
+    DCP_DIR,
+    ShardedStateDict,
+    is_sharded,
+    load_model_shards,
+    load_optimizer_shards,
+    saved_tensors,
+)
 from torchtune_ext.checkpoint.sizing import expected_checkpoint_bytes, planned_save_steps, tensor_bytes
 from torchtune_ext.checkpoint.writer import CheckpointManager, make_readable
 from torchtune_ext.errors import CheckpointSaveError, DiskSpaceError, OutputWriteError
@@ -80,26 +92,34 @@ __all__ = [
     "STAGING",
     "CheckpointManager",
     "CheckpointSaveError",
+    "DCP_DIR",
     "DiskSpaceError",
     "OutputWriteError",
     "Progress",
     "ResumeState",
+    "ShardedStateDict",
     "arrange_lora_folder",
     "check_adapter_fits",
     "check_model_fits",
     "expected_checkpoint_bytes",
+    "export_hf",
+    "export_step",
     "file_sha256",
     "incomplete_checkpoints",
     "intact_before",
+    "is_sharded",
     "latest_checkpoint",
     "list_checkpoints",
+    "load_model_shards",
     "load_model_state",
+    "load_optimizer_shards",
     "load_recipe_state",
     "lora_checkpoint_state",
     "make_readable",
     "peft_adapter_weights",
     "planned_save_steps",
     "rng_state",
+    "saved_tensors",
     "set_rng_state",
     "tensor_bytes",
     "verify_checkpoint",

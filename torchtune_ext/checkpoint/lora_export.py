@@ -29,26 +29,35 @@ def lora_checkpoint_state(model_state: Dict[str, Any], cfg_model: DictConfig, ad
         merged weights W + (alpha / rank) B A, computed on copies so the
         model's own frozen weights never change.
     """
-    from torchtune.modules.peft import get_adapter_state_dict, get_lora_module_names, get_merged_lora_ckpt
+    from torchtune.modules.peft import get_adapter_state_dict, get_merged_lora_ckpt
 
     settings = lora_settings(cfg_model)
     state: Dict[str, Any] = {
         training.ADAPTER_KEY: get_adapter_state_dict(model_state),
-        training.ADAPTER_CONFIG: {
-            "r": settings.lora_rank,
-            "lora_alpha": settings.lora_alpha,
-            "target_modules": get_lora_module_names(
-                list(settings.lora_attn_modules), settings.apply_lora_to_mlp, settings.apply_lora_to_output
-            ),
-            "peft_type": "LORA",
-            "use_dora": settings.use_dora,
-        },
+        training.ADAPTER_CONFIG: adapter_config(cfg_model),
     }
     if not adapter_only:
         # The merge adds into the tensors it is given; on CPU those can be the model's own weights.
         merged = {k: v.detach().to("cpu", copy=True) for k, v in model_state.items()}
         state[training.MODEL_KEY] = get_merged_lora_ckpt(merged, rank=settings.lora_rank, alpha=settings.lora_alpha)
     return state
+
+
+def adapter_config(cfg_model: DictConfig) -> Dict[str, Any]:
+    """The adapter's settings in torchtune's ``adapter_config`` form (``r``, ``lora_alpha``, ``target_modules``,
+    ``peft_type``, ``use_dora``), which its checkpointer turns into PEFT's ``adapter_config.json``."""
+    from torchtune.modules.peft import get_lora_module_names
+
+    settings = lora_settings(cfg_model)
+    return {
+        "r": settings.lora_rank,
+        "lora_alpha": settings.lora_alpha,
+        "target_modules": get_lora_module_names(
+            list(settings.lora_attn_modules), settings.apply_lora_to_mlp, settings.apply_lora_to_output
+        ),
+        "peft_type": "LORA",
+        "use_dora": settings.use_dora,
+    }
 
 
 def _permute_rows(t: torch.Tensor, n_heads: int, head_dim: int, inverse: bool = False) -> torch.Tensor:

@@ -9,6 +9,7 @@ from torchtune import training
 
 from torchtune_ext.checkpoint.discovery import RECIPE_STATE, intact_before, verify_checkpoint
 from torchtune_ext.checkpoint.progress import Progress
+from torchtune_ext.checkpoint.sharded import SHARDED_FORMAT
 from torchtune_ext.errors import ConfigError
 from torchtune_ext.text import short
 
@@ -22,12 +23,15 @@ class ResumeState:
 
     Attributes:
         progress (Progress): step counters and data position.
-        optimizer (dict): the full (unsharded) optimizer state dict.
+        optimizer (dict or None): the full (unsharded) optimizer state dict; None in a sharded checkpoint.
         rng_by_rank (list): :func:`rng_state` of every rank, in rank order.
         dp_world_size (int): data-parallel ranks of the run that wrote it.
         config (dict or None): the resolved config of the run that wrote it
             (None in checkpoints of earlier versions).
         path (Path or None): the checkpoint folder it was read from, for messages.
+        sharded (bool): a sharded checkpoint: the model and optimizer state are
+            in its ``dcp/`` shards (:mod:`torchtune_ext.checkpoint.sharded`),
+            and ``optimizer`` is None.
 
     The LR scheduler is not saved: a resumed run builds it from its config
     and advances it to ``progress.step`` (:mod:`torchtune_ext.resume`).
@@ -39,6 +43,7 @@ class ResumeState:
     dp_world_size: int = 1
     config: Optional[Dict[str, Any]] = None
     path: Optional[Path] = None
+    sharded: bool = False
 
     @property
     def saved_total_steps(self) -> int:
@@ -85,6 +90,7 @@ def load_recipe_state(path: Path) -> ResumeState:
             dp_world_size=state.get("dp_world_size", 1),
             config=state.get("config"),
             path=path,
+            sharded=state.get("format") == SHARDED_FORMAT,
         )
     except Exception as err:
         raise ConfigError("resume_from_checkpoint", f"'{path / RECIPE_STATE}' cannot be read ({short(err)})."

@@ -31,7 +31,7 @@ def _optimizer_states_per_parameter(optimizer: torch.optim.Optimizer) -> int:
 
 
 def expected_checkpoint_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-                              lora: bool = False, adapter_only: bool = False) -> int:
+                              lora: bool = False, adapter_only: bool = False, sharded: bool = False) -> int:
     """About how many bytes one checkpoint of ``model`` and ``optimizer`` takes on disk.
 
     Full fine-tune: the model's state dict plus the optimizer state. LoRA: the
@@ -40,6 +40,14 @@ def expected_checkpoint_bytes(model: torch.nn.Module, optimizer: torch.optim.Opt
     optimizer state is estimated before it exists (it is created at the
     first step): parameter-sized tensors per trainable parameter, 2 for the
     Adam family. Sizes are the full, unsharded ones.
+
+    ``sharded`` (:mod:`torchtune_ext.checkpoint.sharded`): the shards of all
+    ranks add up to the same tensors once (a LoRA model's base weights
+    included unless ``adapter_only``), plus the optimizer state; the last
+    checkpoint also holds the Hugging Face folder exported from them (the
+    model, or the merged model and the adapter twice), which is counted
+    here so that the start-up check leaves room for it; DCP's entries cost
+    ~2.5 KiB per tensor and rank on top.
 
     Returns:
         bytes: the tensors, plus the small entries measured on written checkpoints (each
@@ -51,10 +59,21 @@ def expected_checkpoint_bytes(model: torch.nn.Module, optimizer: torch.optim.Opt
     trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     state = model.state_dict()
     weights = tensor_bytes(state)
-    if lora:
+    if sharded:
+        shards = trainable if lora and adapter_only else weights
+        weights = shards + (2 * trainable + (0 if adapter_only else weights - trainable) if lora else weights)
+    elif lora:
         weights = 2 * trainable + (0 if adapter_only else weights - trainable)
     small = 64 * 2**10 + 32 * 2**10 * ranks.process_group_size() + 256 * len(state)
-    return weights + _optimizer_states_per_parameter(optimizer) * trainable + small
+    states_per_parameter = _optimizer_states_per_parameter(optimizer)
+    if sharded:
+        # DCP writes each saved tensor as an entry of its own in every rank's file (measured: ~1.8 KiB of
+        # header per entry and rank) and lists every rank's piece in .metadata (~250 B): the model's
+        # tensors, and per trainable parameter its optimizer states and Adam's step count
+        trained = sum(1 for p in model.parameters() if p.requires_grad)
+        entries = (trained if lora and adapter_only else len(state)) + (states_per_parameter + 1) * trained
+        small += entries * (2 * 2**10 + 512) * ranks.process_group_size()
+    return weights + states_per_parameter * trainable + small
 
 
 def planned_save_steps(progress: Progress, loader: Any, cfg: DictConfig) -> List[int]:

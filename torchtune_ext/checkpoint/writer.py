@@ -15,12 +15,14 @@ import logging
 import os
 import shutil
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from omegaconf import DictConfig, OmegaConf
 from torchtune import config as tt_config
 from torchtune import training
@@ -43,6 +45,18 @@ from torchtune_ext.checkpoint.failures import WRITE_ADVICE, is_disk_full, is_wri
 from torchtune_ext.checkpoint.lora_export import arrange_lora_folder
 from torchtune_ext.checkpoint.progress import Progress
 from torchtune_ext.checkpoint.rng import rng_state
+from torchtune_ext.checkpoint.sharded import (
+    DCP_DIR,
+    SHARDED_FORMAT,
+    failed_ranks,
+    file_owner,
+    is_adapter_key,
+    is_sharded,
+    local_bytes,
+    local_state,
+    read_full_tensors,
+    sharded_state_dict,
+)
 from torchtune_ext.checkpoint.sizing import planned_save_steps, tensor_bytes
 from torchtune_ext.errors import CheckpointSaveError, ConfigError, DiskSpaceError
 from torchtune_ext.text import format_bytes, short
@@ -51,13 +65,22 @@ from torchtune_ext.tokenizer import training_chat_template, write_chat_template
 log = get_logger()  # torchtune's logger, which the recipes' lines go through too
 
 
-def _from_rank_zero(value: Any) -> Any:
+def _from_rank_zero(value: Any, group: Any = None) -> Any:
     """Rank 0's ``value`` on every rank (itself without a process group)."""
     if not ranks.several_processes():
         return value
     box = [value]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
+
+
+def _from_every_rank(value: Any, group: Any = None) -> List[Any]:
+    """Every rank's ``value``, in rank order, on every rank."""
+    if not ranks.several_processes():
+        return [value]
+    values = [None] * ranks.process_group_size()
+    dist.all_gather_object(values, value, group=group)
+    return values
 
 
 @contextlib.contextmanager
@@ -95,10 +118,18 @@ class CheckpointManager:
         hash_files (bool): record each file's SHA-256 in the manifest (the
             ``verify_checkpoint_hashes`` key): a pass over the checkpoint's bytes
             right after writing them, about 1.1 s per 1.5 GiB on an idle core.
+        sharded_load (bool): a sharded checkpoint resumes shard by shard
+            (:meth:`load` returns a :class:`ShardedStateDict`; a distributed
+            recipe); False: its tensors are read whole (one process).
+        sharded_saves (bool): this run saves with :meth:`save_sharded` (its
+            checkpointer then need not read the base weights of a full fine-tune).
+        asynchronous (bool): :meth:`save_sharded` may return while the shards
+            are written; a process group of its own carries the save's collectives.
     """
 
     def __init__(self, cfg_checkpointer: DictConfig, output_dir: str, keep_last_n: Optional[int] = None, *,
-                 run_config: Optional[DictConfig] = None, dp_world_size: int = 1, hash_files: bool = True):
+                 run_config: Optional[DictConfig] = None, dp_world_size: int = 1, hash_files: bool = True,
+                 sharded_load: bool = False, sharded_saves: bool = False, asynchronous: bool = False):
         self.output_dir = Path(output_dir)
         self.staging = self.output_dir / STAGING
         self.keep_last_n = keep_last_n
@@ -108,13 +139,28 @@ class CheckpointManager:
         self._dp_world_size = dp_world_size
         self._hash_files = hash_files
         self._chat_template: Optional[str] = None  # what training's tokenizer writes; "" if nothing to save
+        self._sharded_load, self._sharded_saves = sharded_load, sharded_saves
+        self._pending: Optional[Future] = None  # the asynchronous save in flight
+        self._executor: Optional[ThreadPoolExecutor] = None
+        self._group: Any = None
+        if asynchronous:
+            # One worker: at most one save in flight. Its collectives go through a gloo group of their
+            # own, so that they never interleave with training's on the default group (and run on CPU
+            # tensors under nccl too). Creating it is a collective: every rank builds its manager here.
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+            if ranks.several_processes():
+                self._group = dist.new_group(backend="gloo")
 
     @classmethod
-    def from_config(cls, cfg: DictConfig, dp_world_size: int = 1) -> "CheckpointManager":
+    def from_config(cls, cfg: DictConfig, dp_world_size: int = 1, distributed: bool = False) -> "CheckpointManager":
         """The manager of a validated recipe config (``checkpointer``, ``output_dir``,
-        ``keep_last_n_checkpoints``, ``verify_checkpoint_hashes``)."""
+        ``keep_last_n_checkpoints``, ``verify_checkpoint_hashes``, ``sharded_checkpoints``,
+        ``enable_async_checkpointing``); ``distributed``: a distributed recipe's run."""
+        sharded = bool(cfg.get("sharded_checkpoints", False))
         return cls(cfg.checkpointer, cfg.output_dir, cfg.keep_last_n_checkpoints, run_config=cfg,
-                   dp_world_size=dp_world_size, hash_files=cfg.get("verify_checkpoint_hashes", True))
+                   dp_world_size=dp_world_size, hash_files=cfg.get("verify_checkpoint_hashes", True),
+                   sharded_load=distributed, sharded_saves=sharded,
+                   asynchronous=sharded and bool(cfg.get("enable_async_checkpointing", False)))
 
     def load(self, resume_from: Optional[Path] = None, adapter: bool = False) -> Dict[str, Any]:
         """Load the model through the configured torchtune checkpointer.
@@ -143,6 +189,8 @@ class CheckpointManager:
         if self.staging.exists() and not self.staging.is_dir():
             raise ConfigError("output_dir", f"{self._staging_is_a_file()}: move or delete the file")
         overrides: Dict[str, Any] = {"output_dir": str(self.staging)}
+        if resume_from is not None and is_sharded(resume_from):
+            return self._load_sharded(resume_from, adapter, overrides)
         if resume_from is not None:
             manifest = verify_checkpoint(resume_from)
             adapter_file = next((n for n in (ADAPTER_WEIGHTS, "adapter_model.pt")  # earlier layout: top level
@@ -175,6 +223,36 @@ class CheckpointManager:
                 raise ConfigError("resume_from_checkpoint", f"'{resume_from / adapter_file}' cannot be read "
                                   f"({short(err)}).{intact_before(resume_from)}") from err
         return state
+
+    def _load_sharded(self, resume_from: Path, adapter: bool, overrides: Dict[str, Any]) -> Dict[str, Any]:
+        """:meth:`load` of a sharded checkpoint: the model's (or adapter's) tensors as a
+        :class:`ShardedStateDict`, or read whole in one process; the checkpointer built on the base checkpoint."""
+        verify_checkpoint(resume_from)
+        saved = sharded_state_dict(resume_from)
+        lora = any(is_adapter_key(k) for k in saved)
+        if adapter and not lora:
+            raise ConfigError("resume_from_checkpoint", f"checkpoint '{resume_from}' holds no adapter; it was not "
+                              "written by a LoRA recipe")
+        if not adapter and lora:
+            raise ConfigError("resume_from_checkpoint", f"'{resume_from}' was written by a LoRA recipe (it holds an "
+                              "adapter): its optimizer state is the adapter's, which a full fine-tune cannot "
+                              "continue; resume it with a LoRA recipe")
+        if not adapter:  # the whole model is in the shards: the base checkpoint's weights are not needed
+            saved = sharded_state_dict(resume_from, [k for k in saved if not is_adapter_key(k)])
+        else:
+            saved = sharded_state_dict(resume_from, [k for k in saved if is_adapter_key(k)])
+        source = Path(self._cfg.get("checkpoint_dir", ""))
+        try:
+            self._checkpointer = tt_config.instantiate(self._cfg, **overrides)
+            # LoRA trains on the base weights; gathered saves need the checkpointer to have read its
+            # base checkpoint once (torchtune keeps the weight map of its files then)
+            state = self._checkpointer.load_checkpoint() if adapter or not self._sharded_saves else {}
+        except Exception as err:
+            raise _unreadable(source, err, False) from err
+        tensors = saved if self._sharded_load else read_full_tensors(resume_from, saved)
+        if adapter:
+            return {training.MODEL_KEY: state[training.MODEL_KEY], training.ADAPTER_KEY: tensors}
+        return {training.MODEL_KEY: tensors}
 
     def announce(self, checkpoint_bytes: int, progress: Progress, loader: Any, cfg: DictConfig) -> None:
         """Log the disk use to expect at start-up; refuse to start without room for one checkpoint.
@@ -280,11 +358,232 @@ class CheckpointManager:
             raise error_type(key, message) if key is not None else error_type(message)
         return final
 
-    def _write(self, final: Path, state_dict: Dict[str, Any], progress: Progress, optimizer_state: Dict[str, Any],
-               rng_by_rank: Optional[List[Dict[str, Any]]], adapter_only: bool,
-               suspect_from: Optional[int] = None) -> None:
-        if (final / MANIFEST).is_file():
-            return  # this step is saved already
+    # ------------------------------------------------------------ sharded saves
+    def save_sharded(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, progress: Progress, *,
+                     rng_by_rank: Optional[List[Dict[str, Any]]] = None, keys: Optional[Iterable[str]] = None,
+                     export: Optional[Callable[[Path, int, int], List[str]]] = None, export_bytes: int = 0,
+                     asynchronous: bool = False, suspect_from: Optional[int] = None) -> Path:
+        """Write ``step_<progress.step>`` as a sharded checkpoint: every rank writes its own shards (DCP).
+
+        Call it on every rank. Nothing is gathered: each rank writes the
+        shards of the model and optimizer state it holds into
+        ``dcp/`` (:mod:`torchtune_ext.checkpoint.sharded`), rank 0 the
+        progress and RNG states (``recipe_state.pt``); each rank hashes the
+        files it wrote; rank 0 writes the manifest once every rank's files
+        are complete, and only then renames the staging folder into place,
+        as :meth:`save` does (a kill at any point leaves earlier checkpoints
+        intact). Free space is checked first against the sum of every rank's
+        shards (and ``export_bytes``).
+
+        Args:
+            model, optimizer: this rank's (FSDP2-sharded) model and its optimizer.
+            progress: step counters and data position (copied now).
+            rng_by_rank: every rank's :func:`rng_state`, in rank order (rank 0 needs them); None: this process's.
+            keys: the model keys to save (LoRA with ``save_adapter_weights_only``: the adapter); None: all.
+            export: writes this rank's share of a Hugging Face folder into the
+                staging folder, ``export(folder, rank, world_size)`` -> the names
+                it wrote (:func:`torchtune_ext.checkpoint.hf_export.export_hf`);
+                the final checkpoint's. Not with ``asynchronous``.
+            export_bytes: what ``export`` writes in all, for the free-space check.
+            asynchronous: return once this rank's shards are copied (in CPU
+                memory); the write, the hashes, the manifest and the rename go on
+                in a thread while training continues. The next save, or
+                :meth:`wait`, waits for it first (at most one in flight).
+            suspect_from: as in :meth:`save`.
+
+        Returns:
+            Path of the checkpoint folder (complete, or being written with ``asynchronous``).
+
+        Raises:
+            CheckpointSaveError: on every rank when a write failed on any rank
+                (a full disk included; the message names the rank), or there
+                is not enough free space; the staging folder is removed.
+                With ``asynchronous``, a failure of the write is raised by the
+                next :meth:`save_sharded` or :meth:`wait`.
+            RuntimeError: on every rank, anything else a rank raised while saving (a bug).
+        """
+        self.wait()  # at most one save in flight; a failure of the previous one is raised here
+        final = self.output_dir / f"step_{progress.step}"
+        if _from_rank_zero((final / MANIFEST).is_file()):
+            return final  # this step is saved already
+        start = time.perf_counter()
+        state = local_state(model, optimizer, keys)
+        needed = sum(_from_every_rank(local_bytes(state))) + export_bytes + self._copied_bytes() + 2**20
+        written = self.staging / f"epoch_{progress.step}"
+        recipe_state = self._recipe_state(progress, None, rng_by_rank)
+        recipe_state["format"] = SHARDED_FORMAT  # the optimizer state is in the shards
+        failure = None
+        if ranks.is_rank_zero():
+            failure = self._capture(final, lambda: self._prepare_staging(final, written, needed, recipe_state),
+                                    written=False)
+        self._raise_agreed(final, _from_every_rank(failure), needed)
+        if asynchronous and self._executor is not None:
+            try:  # copies this rank's shards to CPU memory now; writes them in DCP's thread
+                upload = dcp.async_save(state, checkpoint_id=str(written / DCP_DIR), process_group=self._group)
+            except BaseException as err:  # a failure to start: DCP reports it on every rank
+                upload = _failed_future(err)
+            self._pending = self._executor.submit(self._finish_sharded, final, written, upload, None, needed,
+                                                  suspect_from, start)
+            return final
+        try:
+            dcp.save(state, checkpoint_id=str(written / DCP_DIR))
+            upload = None
+        except BaseException as err:  # DCP's CheckpointException (a BaseException) carries every rank's failure
+            upload = _failed_future(err)
+        self._finish_sharded(final, written, upload, export, needed, suspect_from, start)
+        return final
+
+    def wait(self) -> None:
+        """Wait for the asynchronous save in flight, if any.
+
+        Raises:
+            CheckpointSaveError: (every rank) that save failed; earlier checkpoints are intact.
+        """
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        """Wait for a save in flight (a failure is logged: the run is ending anyway), then stop its thread."""
+        try:
+            self.wait()
+        except Exception as err:
+            log.error(str(err))
+        if self._executor is not None:
+            self._executor.shutdown()
+
+    def _recipe_state(self, progress: Progress, optimizer_state: Optional[Dict[str, Any]],
+                      rng_by_rank: Optional[List[Dict[str, Any]]]) -> Dict[str, Any]:
+        """``recipe_state.pt`` (:class:`ResumeState` reads it back)."""
+        return {
+            "progress": asdict(progress),
+            training.OPT_KEY: optimizer_state,
+            "rng": rng_state() if rng_by_rank is None else rng_by_rank[0],
+            "rng_by_rank": [rng_state()] if rng_by_rank is None else rng_by_rank,
+            "dp_world_size": self._dp_world_size,
+            "config": self._run_config,
+        }
+
+    def _prepare_staging(self, final: Path, written: Path, needed: int, recipe_state: Dict[str, Any]) -> None:
+        """Rank 0, before any shard is written: a clean staging folder, room for ``needed`` bytes, recipe_state.pt."""
+        self._clear_way(final)
+        free = shutil.disk_usage(self.output_dir).free
+        if free < needed:
+            raise self._disk_space_error(final, needed, free)
+        written.mkdir(parents=True)
+        torch.save(recipe_state, written / RECIPE_STATE)
+
+    def _capture(self, final: Path, work: Callable[[], Any], written: bool = True) -> Optional[Tuple[str, ...]]:
+        """Run ``work``; None if it succeeded, else what failed, in a form every rank can be sent."""
+        try:
+            work()
+            return None
+        except BaseException as err:
+            return self._describe_failure(final, err, written)
+
+    def _describe_failure(self, final: Path, err: BaseException, written: bool = True) -> Tuple[str, ...]:
+        """``(kind, detail, rank)`` of a failed save step: ``done`` (a finished error: its class and message),
+        ``full``, ``write`` or ``bug``. DCP's error names the rank that failed."""
+        if isinstance(err, CheckpointSaveError):
+            return ("done", str(err), str(ranks.rank()))
+        rank, cause = min(failed_ranks(err).items())
+        if is_disk_full(cause):
+            return ("full", short(cause), str(rank), str(written))
+        if isinstance(cause, Exception) and is_write_failure(cause):
+            return ("write", short(cause), str(rank), str(written))
+        return ("bug", f"{type(cause).__name__}: {cause}", str(rank), str(written))
+
+    def _raise_agreed(self, final: Path, failures: List[Optional[Tuple[str, ...]]], needed: int,
+                      group: Any = None) -> None:
+        """Every rank raises the same error if any rank's step failed (rank 0 removes the staging folder first)."""
+        failure = next((f for f in failures if f is not None), None)
+        if failure is None:
+            return
+        error: Optional[Tuple[str, str]] = None
+        if ranks.is_rank_zero():
+            shutil.rmtree(self.staging, ignore_errors=True)
+            error = self._failure_error(final, failure, needed)
+        error = _from_rank_zero(error, group)
+        if error[0] == "bug":
+            raise RuntimeError(error[1])
+        raise CheckpointSaveError(error[1])
+
+    def _failure_error(self, final: Path, failure: Tuple[str, ...], needed: int) -> Tuple[str, str]:
+        """(``bug`` or ``save``, the message) of a failed sharded save, once the staging folder is gone."""
+        kind, detail, rank = failure[:3]
+        if kind == "done":
+            return "save", detail
+        written = failure[3] == "True"
+        where = f" on rank {rank}" if ranks.several_processes() else ""
+        if kind == "bug":
+            return "bug", f"saving {final.name} failed{where}: {detail}"
+        if kind == "full":
+            free = shutil.disk_usage(_existing_parent(self.output_dir)).free
+            return "save", (f"the disk filled up while saving {final.name} in output_dir '{self.output_dir}'{where} "
+                            f"({detail}): it needs about {format_bytes(needed)}, {format_bytes(free)} are free now; "
+                            f"{self._after_failure(self._free_space_advice(), written=written)}")
+        return "save", (f"saving {final.name} in output_dir '{self.output_dir}' failed{where} ({detail}): "
+                        f"{self._after_failure(written=written)}")
+
+    def _finish_sharded(self, final: Path, written: Path, upload: Optional[Future],
+                        export: Optional[Callable[[Path, int, int], List[str]]], needed: int,
+                        suspect_from: Optional[int], start: float) -> None:
+        """After the shards are written (``upload`` done): the export, each rank's hashes, then rank 0's
+        manifest, rename and pruning; every rank raises the same error if any rank failed."""
+        group, rank = self._group, ranks.rank()
+        failure = None
+        if upload is not None:
+            failure = self._capture(final, upload.result)
+        self._raise_agreed(final, _from_every_rank(failure, group), needed, group)
+        files: Dict[str, Tuple[int, Optional[str]]] = {}
+
+        def hash_own_files() -> None:
+            mine = export(written, rank, ranks.process_group_size()) if export is not None else []
+            if export is not None and rank == 0:
+                self._save_chat_template(written)  # over the tokenizer files the export copied
+            mine += [f"{DCP_DIR}/{p.name}" for p in (written / DCP_DIR).iterdir()
+                     if p.name.endswith(".distcp") and file_owner(p.name) == rank]
+            files.update(self._hashes(written, mine))
+
+        failure = self._capture(final, hash_own_files)
+        everyone = _from_every_rank((failure, files), group)
+        self._raise_agreed(final, [f for f, _ in everyone], needed, group)
+        failure = None
+        if rank == 0:
+            hashed = {name: entry for _, theirs in everyone for name, entry in theirs.items()}
+            failure = self._capture(final, lambda: self._complete(final, written, hashed, start, suspect_from))
+        self._raise_agreed(final, [_from_rank_zero(failure, group)], needed, group)
+
+    def _hashes(self, folder: Path, names: Iterable[str]) -> Dict[str, Tuple[int, Optional[str]]]:
+        """name -> (size, SHA-256 or None without ``verify_checkpoint_hashes``) of files under ``folder``."""
+        return {name: ((folder / name).stat().st_size, file_sha256(folder / name) if self._hash_files else None)
+                for name in names}
+
+    def _complete(self, final: Path, written: Path, hashed: Dict[str, Tuple[int, Optional[str]]], start: float,
+                  suspect_from: Optional[int]) -> None:
+        """Rank 0: hash what no rank hashed (its small files, ``.metadata``), write the manifest, rename into place."""
+        make_readable(written)
+        names = [p.relative_to(written).as_posix() for p in sorted(written.rglob("*")) if p.is_file()]
+        hashed.update(self._hashes(written, [n for n in names if n not in hashed and n != MANIFEST]))
+        files = {name: hashed[name][0] for name in names if name in hashed}
+        manifest: Dict[str, Any] = {"step": int(final.name.split("_")[1]), "files": files, "format": SHARDED_FORMAT}
+        if self._hash_files:
+            manifest[HASHES] = {name: hashed[name][1] for name in files}
+        _write_synced(written / MANIFEST, json.dumps(manifest, indent=1))
+        os.replace(written, final)
+        shutil.rmtree(self.staging, ignore_errors=True)
+        _fsync_dir(self.output_dir)
+        log.info(f"Checkpoint saved: {final} ({format_bytes(sum(files.values()))} in "
+                 f"{time.perf_counter() - start:.1f} s, sharded over {ranks.process_group_size()} ranks)")
+        self._prune(keep=final, suspect_from=suspect_from)
+
+    def _clear_way(self, final: Path) -> None:
+        """Before a save writes anything: a folder in the way of ``final`` (no manifest) moved aside, the
+        staging folder of an interrupted save removed.
+
+        Raises:
+            CheckpointSaveError: a file is where the staging folder goes, or an ``OSError``.
+        """
         try:  # a failure here is a failed save too, only with nothing written yet
             if final.exists():  # not written by a save (no manifest): keep it, under another name
                 aside = final.with_name(f"{final.name}.incomplete")
@@ -297,6 +596,17 @@ class CheckpointManager:
             elif self.staging.exists():  # made since start-up, where load() refuses it
                 raise CheckpointSaveError(f"saving {final.name} failed before writing: {self._staging_is_a_file()}: "
                                           f"{self._after_failure('move or delete the file', written=False)}")
+        except OSError as err:
+            raise CheckpointSaveError(f"saving {final.name} in output_dir '{self.output_dir}' failed before "
+                                      f"writing ({short(err)}): {self._after_failure(written=False)}") from err
+
+    def _write(self, final: Path, state_dict: Dict[str, Any], progress: Progress, optimizer_state: Dict[str, Any],
+               rng_by_rank: Optional[List[Dict[str, Any]]], adapter_only: bool,
+               suspect_from: Optional[int] = None) -> None:
+        if (final / MANIFEST).is_file():
+            return  # this step is saved already
+        self._clear_way(final)
+        try:
             free = shutil.disk_usage(self.output_dir).free
         except OSError as err:
             raise CheckpointSaveError(f"saving {final.name} in output_dir '{self.output_dir}' failed before "
@@ -304,14 +614,7 @@ class CheckpointManager:
         needed = self._needed_bytes(state_dict, optimizer_state)
         if free < needed:
             raise self._disk_space_error(final, needed, free)
-        recipe_state = {
-            "progress": asdict(progress),
-            training.OPT_KEY: optimizer_state,
-            "rng": rng_state() if rng_by_rank is None else rng_by_rank[0],
-            "rng_by_rank": [rng_state()] if rng_by_rank is None else rng_by_rank,
-            "dp_world_size": self._dp_world_size,
-            "config": self._run_config,
-        }
+        recipe_state = self._recipe_state(progress, optimizer_state, rng_by_rank)
         start = time.perf_counter()
         written = self.staging / f"epoch_{progress.step}"  # torchtune's checkpointer names it after "epoch"
         try:
@@ -478,6 +781,13 @@ def _unreadable(folder: Path, err: BaseException, resuming: bool) -> ConfigError
         return ConfigError("resume_from_checkpoint", f"checkpoint '{folder}' cannot be loaded: {detail}."
                            + intact_before(folder))
     return ConfigError("checkpointer.checkpoint_dir", f"cannot load the checkpoint in '{folder}': {detail}")
+
+
+def _failed_future(err: BaseException) -> Future:
+    """A future that raises ``err``: a failure to start a save is reported where its outcome is awaited."""
+    future: Future = Future()
+    future.set_exception(err)
+    return future
 
 
 def _existing_parent(path: Path) -> Path:

@@ -108,6 +108,34 @@ def _on_cuda(cfg: DictConfig) -> bool:
     return cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
 
 
+# checkpointer.model_type values whose torchtune -> HF conversion works tensor by tensor, as a sharded
+# checkpoint's export needs (torchtune_ext.checkpoint.hf_export); Phi-3/4 fuse q/k/v into one HF tensor.
+SHARDED_EXPORT_MODEL_TYPES = ("LLAMA2", "LLAMA3", "LLAMA3_2", "MISTRAL", "GEMMA", "GEMMA2", "QWEN2")
+
+
+def check_sharded_checkpoints(cfg: DictConfig) -> None:
+    """``enable_async_checkpointing`` implies ``sharded_checkpoints``; these need torchtune's HF checkpointer
+    of a family whose final checkpoint can be exported file by file.
+
+    Raises:
+        ConfigError: (key ``sharded_checkpoints``) another checkpointer, or a model type it cannot export.
+    """
+    if cfg.get("enable_async_checkpointing") and not cfg.get("sharded_checkpoints"):
+        cfg.sharded_checkpoints = True  # torchtune's asynchronous checkpoints are sharded (DCP) ones
+    if not cfg.get("sharded_checkpoints"):
+        return
+    component = str(cfg.checkpointer.get("_component_", ""))
+    if not component.endswith(".FullModelHFCheckpointer"):
+        raise ConfigError("sharded_checkpoints", f"needs torchtune's FullModelHFCheckpointer (the final checkpoint "
+                          f"becomes a Hugging Face folder from the shards), not {component}; set "
+                          "sharded_checkpoints=false (and enable_async_checkpointing=false) for this checkpointer")
+    model_type = str(cfg.checkpointer.get("model_type", "")).upper()
+    if model_type not in SHARDED_EXPORT_MODEL_TYPES:
+        raise ConfigError("sharded_checkpoints", f"is not supported for checkpointer.model_type={model_type}: its "
+                          "Hugging Face conversion fuses tensors, so the shards cannot be exported file by file; "
+                          "set sharded_checkpoints=false (and enable_async_checkpointing=false)")
+
+
 def check_combinations(cfg: DictConfig, training: bool = True) -> None:
     """Keys that are valid alone but not together, and component paths that must import.
 
@@ -136,6 +164,7 @@ def check_combinations(cfg: DictConfig, training: bool = True) -> None:
         if not cfg.enable_activation_checkpointing:
             raise ConfigError("enable_activation_offloading", "needs enable_activation_checkpointing=true (it "
                               "offloads the checkpointed layer inputs), as in torchtune")
+    check_sharded_checkpoints(cfg)
     ckpt_dir = cfg.checkpointer.get("output_dir")
     if ckpt_dir is not None and os.path.abspath(str(ckpt_dir)) != os.path.abspath(str(cfg.output_dir)):
         # torchtune saves where this says; every save, resume and disk check here works in output_dir

@@ -87,6 +87,19 @@ def _refused_if_true(why: str) -> Callable[[str, Any], None]:
     return check
 
 
+def _distributed_only(what: str) -> Callable[[str, Any], None]:
+    """The check of a key the single-device recipes refuse when true: one process writes its checkpoint whole."""
+    def check(key: str, value: Any) -> None:
+        boolean(key, value)
+        if value:
+            raise ConfigError(key, f"{what} are written by the distributed recipes only (one process holds the "
+                              "whole model anyway): run recipes/full_finetune_distributed.py or "
+                              "recipes/lora_finetune_distributed.py with tune run --nproc_per_node N (N=1 works "
+                              f"too), or set {key}=false for this recipe's single-folder checkpoints")
+
+    return check
+
+
 def _optional_names(key: str, value: Any) -> None:
     if value is not None and (not isinstance(value, list) or not all(isinstance(v, str) and v for v in value)):
         raise ConfigError(key, f"expected a list of module names (e.g. [tok_embeddings, output]) or null, "
@@ -247,6 +260,10 @@ COMMON_KEYS: Dict[str, Key] = {
         "arguments and output keys.")),
     "low_cpu_ram": Key(False, _refused_if_true("only the single-device LoRA recipe uses it (QLoRA state dicts)"),
                        doc="Only the single-device LoRA recipe reads it (see LoRA keys); must be false here."),
+    "sharded_checkpoints": Key(False, _distributed_only("sharded checkpoints"), doc=(
+        "Only the distributed recipes write sharded checkpoints (see the distributed keys); must be false here.")),
+    "enable_async_checkpointing": Key(False, _distributed_only("asynchronous (sharded) checkpoints"), doc=(
+        "Only the distributed recipes save asynchronously (see the distributed keys); must be false here.")),
     "log_level": Key("INFO", one_of("DEBUG", "INFO", "WARNING", "ERROR"), doc="Level of the run's log lines."),
 }
 
@@ -272,6 +289,14 @@ DISTRIBUTED_KEYS: Dict[str, Key] = {
     "low_cpu_ram": Key(False, _refused_if_true("the distributed recipes gather state dicts shard by shard "
                                                "already; it applies to the single-device LoRA recipe"),
                        doc="Must be false: the distributed recipes gather state dicts shard by shard already."),
+    "sharded_checkpoints": Key(False, boolean, doc=(
+        "Each rank writes only its own shards of the model and optimizer state (torch.distributed.checkpoint); "
+        "nothing is gathered, a resume reshards to any world size, and the final checkpoint is also written as a "
+        "Hugging Face folder, file by file (docs/distributed.md); false: rank 0 gathers and writes the whole "
+        "state.")),
+    "enable_async_checkpointing": Key(False, boolean, doc=(
+        "torchtune's key: sharded checkpoints (implies sharded_checkpoints: true) written while training goes on, "
+        "at most one in flight; a stop or the end waits for it.")),
 }
 
 

@@ -1,0 +1,232 @@
+"""A Hugging Face folder from a sharded checkpoint, file by file: no process holds the whole model.
+
+A sharded checkpoint (:mod:`torchtune_ext.checkpoint.sharded`) holds each
+rank's shards in torchtune's key names. :func:`export_hf` writes the same
+folder a gathered save writes with torchtune's ``FullModelHFCheckpointer``:
+``model-0000i-of-0000n.safetensors`` split as the base checkpoint's files
+are, ``model.safetensors.index.json``, the base folder's ``config.json`` and
+tokenizer files, and for LoRA the merged model and ``adapter/`` (PEFT's
+adapter and torchtune's ``adapter_model.pt``). Each output file is made
+alone: its tensors are read whole from the shards (DCP reassembles them),
+converted to HF names and layout with torchtune's converter of the model's
+family, merged with their LoRA adapters, written, and let go, so the memory
+needed is one output file (one base checkpoint file; ~5 GB for most HF
+models), not the model. Ranks share the files: rank ``r`` writes files
+``r``, ``r + world``, ...
+
+On request, any sharded checkpoint (a periodic or a stop's one too) becomes
+such a folder in one process, with the run's settings read from its
+``recipe_state.pt``::
+
+    python -m torchtune_ext.checkpoint.export outputs/run/step_200 outputs/run/step_200_hf
+
+Families: the converters that work tensor by tensor (Llama 2/3/3.2,
+Mistral, Gemma, Gemma 2, Qwen2). Phi-3/Phi-4 fuse q/k/v into one HF tensor
+and are refused by the config check
+(:func:`torchtune_ext.config.combinations.check_sharded_checkpoints`).
+"""
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+from omegaconf import OmegaConf
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torchtune.models import convert_weights
+
+from torchtune_ext.checkpoint.discovery import MANIFEST, RECIPE_STATE
+from torchtune_ext.checkpoint.lora_export import adapter_config, arrange_lora_folder
+from torchtune_ext.checkpoint.resume_state import load_recipe_state
+from torchtune_ext.checkpoint.sharded import is_adapter_key, is_sharded, read_full_tensors, saved_tensors
+from torchtune_ext.config import lora_settings
+from torchtune_ext.errors import UserError
+
+INDEX = "model.safetensors.index.json"
+# What the HF checkpointer does not copy from the base folder: weights and their indexes (torchtune's list),
+# and what a step folder holds of its own.
+_NOT_COPIED = (".pt", ".pth", ".bin", ".safetensors", ".index.json", ".distcp")
+
+
+def tune_to_hf(model_type: str, hf_config: Dict[str, Any]) -> Callable[[Dict[str, torch.Tensor]], Dict]:
+    """torchtune's converter (torchtune names -> HF names and q/k row order) of a family, for any subset of keys.
+
+    The arguments are the ones ``FullModelHFCheckpointer.save_checkpoint`` passes
+    for that ``model_type``, from the base folder's ``config.json``.
+    """
+    heads, kv_heads, dim = (hf_config["num_attention_heads"], hf_config["num_key_value_heads"],
+                            hf_config["hidden_size"])
+    head_dim = hf_config.get("head_dim")
+    if model_type == "QWEN2":
+        from torchtune.models.qwen2._convert_weights import qwen2_tune_to_hf
+
+        return lambda sd: qwen2_tune_to_hf(sd, num_heads=heads, num_kv_heads=kv_heads, dim=dim,
+                                           tie_word_embeddings=hf_config.get("tie_word_embeddings", False))
+    if model_type == "GEMMA2":
+        from torchtune.models.gemma2._convert_weights import gemma2_tune_to_hf
+
+        return lambda sd: gemma2_tune_to_hf(sd, num_heads=heads, num_kv_heads=kv_heads, dim=dim, head_dim=head_dim)
+    return lambda sd: convert_weights.tune_to_hf(sd, num_heads=heads, num_kv_heads=kv_heads, dim=dim,
+                                                 head_dim=head_dim)
+
+
+def base_file_of(checkpoint_dir: Path) -> Dict[str, str]:
+    """HF key -> the base folder's weight file holding it: from its safetensors index, or its only file.
+
+    Empty when the folder has neither (then :func:`export_hf` writes one file).
+    """
+    index = checkpoint_dir / INDEX
+    if index.is_file():
+        return dict(json.loads(index.read_text())["weight_map"])
+    files = sorted(checkpoint_dir.glob("*.safetensors"))
+    files = [f for f in files if not f.name.startswith("adapter")]
+    if len(files) != 1:
+        return {}
+    with safe_open(str(files[0]), framework="pt") as f:
+        return {key: files[0].name for key in f.keys()}
+
+
+def _base_key(key: str) -> str:
+    """The weight an adapter tensor belongs to (``...q_proj.lora_a.weight`` -> ``...q_proj.weight``)."""
+    for part in (".lora_a.weight", ".lora_b.weight", ".magnitude"):
+        if key.endswith(part):
+            return key[: -len(part)] + ".weight"
+    return key
+
+
+def _plan(model_keys: Dict[str, torch.Tensor], convert: Callable, base_files: Dict[str, str]) -> List[List[str]]:
+    """The output files: lists of torchtune keys, in the order of the base files (adapters with their weight)."""
+    file_of: Dict[str, str] = {}
+    for key, meta in model_keys.items():
+        base = _base_key(key)
+        if base not in model_keys:
+            continue
+        hf_keys = list(convert({base: model_keys[base]}))  # meta tensors: names and shapes only
+        file_of[key] = base_files.get(hf_keys[0], "") if hf_keys else ""
+    order = sorted(set(file_of.values()))
+    return [[k for k in model_keys if file_of.get(k) == name] for name in order]
+
+
+def copy_base_files(checkpoint_dir: Path, folder: Path) -> List[str]:
+    """Copy the base folder's files that are not weights (config, tokenizer, generation config) into ``folder``.
+
+    Returns the names copied.
+    """
+    copied = []
+    for path in sorted(checkpoint_dir.iterdir()):
+        if path.is_file() and not path.name.endswith(_NOT_COPIED) and path.name not in (MANIFEST, RECIPE_STATE):
+            shutil.copy2(path, folder / path.name)
+            copied.append(path.name)
+    return copied
+
+
+def export_hf(step_folder: Path, out: Path, cfg_checkpointer: Any, cfg_model: Any = None, *,
+              adapter_only: bool = False, rank: int = 0, world_size: int = 1) -> List[str]:
+    """Write this rank's share of the HF folder of a sharded checkpoint into ``out`` (see the module docstring).
+
+    Args:
+        step_folder: the checkpoint (its ``dcp/``).
+        out: the folder to write (exists).
+        cfg_checkpointer: the run's ``checkpointer`` config (``checkpoint_dir``, ``model_type``).
+        cfg_model: the run's ``model`` config: a LoRA model's settings (rank,
+            alpha, targets) for the merge and PEFT's adapter config.
+        adapter_only: LoRA: the adapter alone, no merged model.
+        rank, world_size: which of the files this process writes; rank 0
+            also writes the index, the copied files and the adapter.
+
+    Returns:
+        the names (relative to ``out``) of the files this rank wrote.
+    """
+    checkpoint_dir = Path(str(cfg_checkpointer.checkpoint_dir))
+    hf_config = json.loads((checkpoint_dir / "config.json").read_text())
+    convert = tune_to_hf(str(cfg_checkpointer.get("model_type", "")).upper(), hf_config)
+    model_keys = saved_tensors(step_folder)
+    lora = any(is_adapter_key(k) for k in model_keys)
+    settings = lora_settings(cfg_model) if lora else None
+    written: List[str] = []
+    if not adapter_only:
+        files = _plan(model_keys, convert, base_file_of(checkpoint_dir))
+        weight_map: Dict[str, str] = {}
+        total = 0
+        for i, keys in enumerate(files):
+            name = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+            hf_meta = convert(_merged({k: model_keys[k] for k in keys}, settings))
+            weight_map.update({k: name for k in hf_meta})
+            total += sum(t.numel() * t.element_size() for t in hf_meta.values())
+            if i % world_size != rank:
+                continue
+            tensors = convert(_merged(read_full_tensors(step_folder, {k: model_keys[k] for k in keys}), settings))
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / name), metadata={"format": "pt"})
+            written.append(name)
+            del tensors  # one file's tensors at a time
+        if rank == 0:
+            (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                                indent=2))
+            written.append(INDEX)
+    if rank == 0:
+        written += copy_base_files(checkpoint_dir, out)
+        if lora:
+            adapter = read_full_tensors(step_folder, {k: v for k, v in model_keys.items() if is_adapter_key(k)})
+            written += _write_adapter(out, adapter, cfg_model, cfg_checkpointer)
+    return written
+
+
+def _merged(state: Dict[str, torch.Tensor], settings: Optional[Any]) -> Dict[str, torch.Tensor]:
+    """LoRA: W + (alpha / rank) B A (DoRA: rescaled by its magnitudes), adapters dropped; else ``state``."""
+    if settings is None:
+        return state
+    from torchtune.modules.peft import get_merged_lora_ckpt
+
+    if any(t.is_meta for t in state.values()):  # names and shapes only: the merge keeps the weight's
+        return {k: v for k, v in state.items() if not is_adapter_key(k)}
+    return get_merged_lora_ckpt(dict(state), rank=settings.lora_rank, alpha=settings.lora_alpha)
+
+
+def _write_adapter(out: Path, adapter: Dict[str, torch.Tensor], cfg_model: Any, cfg_checkpointer: Any) -> List[str]:
+    """``adapter/``: as a gathered LoRA save lays it out (:func:`arrange_lora_folder`). Returns the names written."""
+    from torchtune.models.convert_weights import tune_to_peft_adapter_config
+
+    torch.save(adapter, out / "adapter_model.pt")
+    (out / "adapter_config.json").write_text(json.dumps(tune_to_peft_adapter_config(adapter_config(cfg_model))))
+    arrange_lora_folder(out, cfg_checkpointer)
+    return sorted(p.relative_to(out).as_posix() for p in (out / "adapter").rglob("*") if p.is_file())
+
+
+def export_step(step_folder: Path, out: Path) -> List[str]:
+    """The Hugging Face folder of a sharded checkpoint, written to ``out`` in this process.
+
+    The base checkpoint, model type and LoRA settings are the run's (its
+    ``recipe_state.pt``); ``out`` is written as ``<out>.partial`` and renamed
+    when complete. Returns the names written.
+
+    Raises:
+        UserError: ``step_folder`` is no complete sharded checkpoint, its run's
+            base checkpoint folder is gone, or ``out`` exists and is not empty.
+    """
+    step_folder, out = Path(step_folder), Path(out)
+    if not is_sharded(step_folder):
+        raise UserError(f"'{step_folder}' is not a sharded checkpoint (no dcp/.metadata): give a step_<N> folder of a "
+                        "run with sharded_checkpoints: true; a gathered checkpoint is a Hugging Face folder already")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"'{out}' exists and is not an empty folder: nothing is overwritten; give a new folder")
+    config = load_recipe_state(step_folder).config  # verifies the manifest first
+    if not config or "checkpointer" not in config:
+        raise UserError(f"'{step_folder / RECIPE_STATE}' holds no run config: it cannot say which base checkpoint "
+                        "and model type the shards belong to")
+    checkpointer = config["checkpointer"]
+    if not (Path(str(checkpointer["checkpoint_dir"])) / "config.json").is_file():
+        raise UserError(f"the run's base checkpoint folder '{checkpointer['checkpoint_dir']}' (its config.json and "
+                        "tokenizer files go into the export) is gone: restore it there")
+    lora = any(is_adapter_key(k) for k in saved_tensors(step_folder))
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    written = export_hf(step_folder, partial, OmegaConf.create(checkpointer), OmegaConf.create(config["model"]),
+                        adapter_only=lora and bool(config.get("save_adapter_weights_only", False)))
+    if out.exists():
+        out.rmdir()  # empty: checked above
+    os.replace(partial, out)
+    return written
