@@ -77,8 +77,9 @@ def assert_same_weights(got_dir, expected_dir):
 def test_two_by_two_tensor_parallel_equals_four_data_parallel(runs):
     """Same tokens counted once (num_tokens), same loss and grad norm at every step, same final weights.
 
-    Counting the tokens over all 4 ranks instead of the 2 data-parallel ones would double num_tokens and
-    halve the loss and the gradient: this test fails then."""
+    Counting the tokens (and summing the loss) over all 4 ranks instead of the 2 data-parallel ones doubles
+    num_tokens and halves the gradient and its norm: this test fails then (checked by that change to
+    TrainingRun.dp_group: num_tokens 420 vs 210 at step 1, grad norm 4.43 vs 8.85)."""
     (tp_out, tp_proc), (dp_out, _) = runs["dp2_tp2"], runs["dp4"]
     assert "2 data-parallel (FSDP2) x 2 tensor-parallel ranks" in tp_proc.stdout + tp_proc.stderr
     tp_rows, dp_rows = read_jsonl(tp_out / "logs" / "metrics.jsonl"), read_jsonl(dp_out / "logs" / "metrics.jsonl")
