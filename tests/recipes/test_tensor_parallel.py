@@ -12,14 +12,18 @@ module, and there are few of them.
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
+import time
 
 import pytest
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from helpers import REPO_ROOT, read_jsonl, rel_diff, run_tune, tiny_alpaca16_config
+from torchtune_ext.checkpoint import list_checkpoints, verify_checkpoint
+from torchtune_ext.errors import EXIT_STOPPED
 
 pytestmark = pytest.mark.slow
 
@@ -84,7 +88,10 @@ def test_two_by_two_tensor_parallel_equals_four_data_parallel(runs):
     assert "2 data-parallel (FSDP2) x 2 tensor-parallel ranks" in tp_proc.stdout + tp_proc.stderr
     tp_rows, dp_rows = read_jsonl(tp_out / "logs" / "metrics.jsonl"), read_jsonl(dp_out / "logs" / "metrics.jsonl")
     assert [r["step"] for r in dp_rows] == [1, 2, 3, 4]
-    assert all(r["dp_world_size"] == 2 for r in tp_rows) and all(r["dp_world_size"] == 4 for r in dp_rows)
+    assert all(r["dp_world_size"] == 2 and r["tp_world_size"] == 2 for r in tp_rows)
+    assert all(r["dp_world_size"] == 4 and "tp_world_size" not in r for r in dp_rows)
+    for r in tp_rows:  # 4 devices work on each step's tokens
+        assert r["tokens_per_second_per_device"] == pytest.approx(r["tokens_per_second"] / 4)
     assert dp_rows[0]["grad_norm"] > 1.0  # clipping is active: the norm itself must be right
     assert_same_steps(tp_rows, dp_rows)
     assert_same_weights(tp_out / "step_4", dp_out / "step_4")
@@ -106,21 +113,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_nodes_on_loopback_equal_one_node(runs, smollm2_assets, tmp_path):
-    """Two `tune run --nnodes 2 --nproc_per_node 2` launchers meeting at a c10d rendezvous (as on two machines,
-    here both on localhost) train as one 4-process launch: same steps, same weights."""
-    out = tmp_path / "two_nodes"
-    config = tmp_path / "two_nodes.yaml"
-    OmegaConf.save(tiny_alpaca16_config(CONFIG, {"_component_": "torchtune_ext.models.tiny_llama"}, smollm2_assets,
-                                        tmp_path, out, *SETTINGS, *LAYOUTS["dp4"]), config)
+def launch_nodes(config, nodes=2, **popen):
+    """``nodes`` launchers of 2 processes each meeting at one c10d rendezvous on loopback, as on ``nodes`` machines."""
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), WANDB_SILENT="true")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    cmd = ["tune", "run", "--nnodes", "2", "--nproc_per_node", "2", "--rdzv-backend", "c10d",
+    cmd = ["tune", "run", "--nnodes", str(nodes), "--nproc_per_node", "2", "--rdzv-backend", "c10d",
            "--rdzv-endpoint", f"localhost:{free_port()}", "--rdzv-id", "tp_test", RECIPE, "--config", str(config)]
-    # the first launcher to bind the port hosts the rendezvous store; the other joins it as a client
-    nodes = [subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(2)]
+    # the first launcher to bind the port hosts the rendezvous store; the others join it as clients
+    return [subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             **popen) for _ in range(nodes)]
+
+
+def save_config(assets, tmp_path, name, *overrides):
+    out, config = tmp_path / name, tmp_path / f"{name}.yaml"
+    OmegaConf.save(tiny_alpaca16_config(CONFIG, {"_component_": "torchtune_ext.models.tiny_llama"}, assets,
+                                        tmp_path, out, *overrides), config)
+    return out, config
+
+
+def test_two_nodes_on_loopback_equal_one_node(runs, smollm2_assets, tmp_path):
+    """Two `tune run --nnodes 2 --nproc_per_node 2` launchers meeting at a c10d rendezvous (as on two machines,
+    here both on localhost) train as one 4-process launch: same steps, same weights."""
+    out, config = save_config(smollm2_assets, tmp_path, "two_nodes", *SETTINGS, *LAYOUTS["dp4"])
+    nodes = launch_nodes(config)
     outputs = [node.communicate(timeout=900) for node in nodes]
     for node, (_, stderr) in zip(nodes, outputs):
         assert node.returncode == 0, stderr[-4000:]
@@ -128,6 +144,29 @@ def test_two_nodes_on_loopback_equal_one_node(runs, smollm2_assets, tmp_path):
     assert all(r["dp_world_size"] == 4 for r in rows)
     assert_same_steps(rows, read_jsonl(runs["dp4"][0] / "logs" / "metrics.jsonl"))
     assert_same_weights(out / "step_4", runs["dp4"][0] / "step_4")
+
+
+def test_sigterm_to_every_process_of_a_two_node_tensor_parallel_job_saves(smollm2_assets, tmp_path):
+    """As SLURM preempts: SIGTERM to every process of both "nodes" (launchers and workers) of a 2 x 2
+    tensor-parallel job. The ranks stop after the same step, rank 0 saves a complete checkpoint, and the job
+    exits 75."""
+    out, config = save_config(smollm2_assets, tmp_path, "preempted", *SETTINGS, *LAYOUTS["dp2_tp2"], "epochs=40",
+                              "save_every_n_steps=1000")
+    nodes = launch_nodes(config, start_new_session=True)  # a process group per node, as srun's tasks
+    metrics = out / "logs" / "metrics.jsonl"
+    deadline = time.time() + 600
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        assert all(node.poll() is None for node in nodes) and time.time() < deadline
+        time.sleep(0.1)
+    for node in nodes:
+        os.killpg(node.pid, signal.SIGTERM)
+    outputs = [node.communicate(timeout=300) for node in nodes]
+    stderr = "".join(err for _, err in outputs)
+    assert [node.returncode for node in nodes] == [EXIT_STOPPED, EXIT_STOPPED], stderr[-4000:]
+    assert "Traceback" not in stderr and "Stopped on SIGTERM after optimizer step" in stderr, stderr[-4000:]
+    (saved,) = list_checkpoints(str(out))
+    verify_checkpoint(saved)
+    assert saved.name == f"step_{read_jsonl(metrics)[-1]['step']}"  # the last step logged is the one saved
 
 
 @pytest.mark.parametrize("launcher,overrides,words", [
