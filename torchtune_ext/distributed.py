@@ -199,9 +199,9 @@ def tensor_parallel_plan(cfg_plan: Any, model_component: str) -> Dict[str, Paral
     """
     if cfg_plan is None:
         if model_component.startswith("torchtune_ext.hf."):
-            raise ConfigError("tensor_parallel_plan", f"{model_component} (a transformers model) has no "
-                              "tensor-parallel plan these recipes can apply (transformers' own plans run on its "
-                              "own tensor-parallel layers, not on FSDP2's device mesh); set tensor_parallel_dim=1")
+            raise ConfigError("tensor_parallel_plan", f"{model_component} builds a transformers model, "
+                              "whose tp_plan these recipes do not apply (only torchtune's decoders have a plan "
+                              "here); set tensor_parallel_dim=1 (FSDP2 alone shards it)")
         family = model_family(model_component)
         if family not in PLAN_FAMILIES:
             raise ConfigError("tensor_parallel_plan", f"{model_component} has no tensor-parallel plan (the "
