@@ -35,7 +35,9 @@ SETTINGS = ["max_steps_per_epoch=4", "save_every_n_steps=2", "lr_scheduler.num_w
             "clip_grad_norm=1.0", "shuffle=true"]
 # the same global batch: batch_size x gradient_accumulation_steps x data-parallel ranks = 4 (of 16 samples)
 LAYOUTS = {"dp4": ["tensor_parallel_dim=1", "batch_size=1", "gradient_accumulation_steps=1"],
-           "dp2_tp2": ["tensor_parallel_dim=2", "batch_size=1", "gradient_accumulation_steps=2"]}
+           # activation checkpointing changes no number: on here, the plan must find the layers inside its wrappers
+           "dp2_tp2": ["tensor_parallel_dim=2", "batch_size=1", "gradient_accumulation_steps=2",
+                       "enable_activation_checkpointing=true"]}
 
 
 def launch(tmp_path, assets, name, *overrides):
