@@ -37,7 +37,7 @@ class FullFinetuneRecipeDistributed(FinetuneRecipe):
         model = build_model(cfg.model, run.dtype, torch.device("meta"))
         wrap_model(model, checkpointing=cfg.enable_activation_checkpointing,
                    offloading=cfg.enable_activation_offloading, compile=cfg.compile)
-        shard_model(model, run.device, cpu_offload=cfg.fsdp_cpu_offload,
+        shard_model(model, run.device, parallelism=run.parallelism, cpu_offload=cfg.fsdp_cpu_offload,
                     reshard_after_forward=cfg.fsdp_reshard_after_forward,
                     custom_sharded_layers=cfg.custom_sharded_layers)
         load_sharded_model_state(model, checkpoint[training.MODEL_KEY], run.device, cpu_offload=cfg.fsdp_cpu_offload,

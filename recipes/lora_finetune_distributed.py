@@ -42,7 +42,7 @@ class LoRAFinetuneRecipeDistributed(FinetuneRecipe):
         set_trainable_params(model, adapter_params(model))
         wrap_model(model, checkpointing=cfg.enable_activation_checkpointing,
                    offloading=cfg.enable_activation_offloading, compile=cfg.compile)
-        shard_model(model, run.device, cpu_offload=cfg.fsdp_cpu_offload,
+        shard_model(model, run.device, parallelism=run.parallelism, cpu_offload=cfg.fsdp_cpu_offload,
                     reshard_after_forward=cfg.fsdp_reshard_after_forward,
                     custom_sharded_layers=cfg.custom_sharded_layers)
         load = partial(load_sharded_model_state, model, device=run.device, cpu_offload=cfg.fsdp_cpu_offload,

@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 import resume_jobs
 from helpers import REPO_ROOT, read_jsonl, run_tune
 from torchtune_ext.checkpoint import MANIFEST, list_checkpoints, verify_checkpoint
+from torchtune_ext.control.exits import record_outcome
 from torchtune_ext.control.preemption import REPEAT_WINDOW_S, resume_command
 from torchtune_ext.errors import EXIT_STOPPED, OUTCOME_FILE_ENV
 
@@ -231,3 +232,16 @@ def test_a_signal_while_the_interpreter_exits_keeps_the_decided_status(status, w
                           timeout=120)
     assert proc.returncode == (2 if status == "raise" else int(status)), proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("rank,local_rank,every_node,written", [
+    ("0", "0", False, True), ("2", "0", False, False), ("2", "0", True, True), ("3", "1", True, False)])
+def test_every_nodes_launcher_learns_a_shared_status(tmp_path, monkeypatch, rank, local_rank, every_node, written):
+    """A stop all ranks agreed on reaches the launcher of each node (through its first worker), not only rank 0's:
+    a scheduler signals every node's launcher, which would otherwise exit 143 while its workers saved."""
+    outcome = tmp_path / "outcome"
+    monkeypatch.setenv(OUTCOME_FILE_ENV, str(outcome))
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("LOCAL_RANK", local_rank)
+    record_outcome(EXIT_STOPPED, every_node=every_node)
+    assert (outcome.read_text() == f"{EXIT_STOPPED}\n") if written else not outcome.exists()

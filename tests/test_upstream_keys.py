@@ -138,12 +138,15 @@ def test_activation_offloading_wraps_every_forward():
     assert events == ["enter", "exit", "enter", "exit"]
 
 
-def test_tensor_parallelism_is_refused(cfg):
-    cfg.tensor_parallel_dim = 1
-    cfg.tensor_parallel_plan = {"_component_": "torchtune.models.llama3.base_llama_tp_plan"}
-    validate(cfg, extra_keys=DISTRIBUTED_KEYS)
+def test_tensor_parallel_keys_as_in_torchtunes_70b_configs(cfg, monkeypatch):
+    """torchtune's 70B configs name tensor_parallel_dim and the Llama plan; a dimension the job's ranks
+    cannot be split by is refused (tests/test_tensor_parallel.py: the rest)."""
     cfg.tensor_parallel_dim = 2
-    refused(cfg, "tensor_parallel_dim", "tensor_parallel_dim=1", extra_keys=DISTRIBUTED_KEYS)
+    cfg.tensor_parallel_plan = {"_component_": "torchtune.models.llama3.base_llama_tp_plan"}
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert validate(cfg, extra_keys=DISTRIBUTED_KEYS).tensor_parallel_dim == 2
+    monkeypatch.delenv("WORLD_SIZE")  # one process: no tensor-parallel group of 2
+    refused(cfg, "tensor_parallel_dim", "does not divide the 1 rank of this job", extra_keys=DISTRIBUTED_KEYS)
 
 
 def test_fsdp_cpu_offload_section_is_reported_not_read(cfg, caplog):

@@ -1,36 +1,62 @@
-"""What the distributed recipes share: process group, FSDP2 sharding, full state dicts.
+"""What the distributed recipes share: process group, device mesh, tensor parallelism, FSDP2, full state dicts.
 
-Sharding is data parallel only (one ``dp`` mesh dimension over all ranks).
+The ranks form a device mesh (:func:`build_parallelism`): one ``dp`` dimension
+over all ranks (data parallel only), or ``dp`` x ``tp`` with
+``tensor_parallel_dim: T`` (N/T data-parallel groups of T tensor-parallel
+ranks; the ranks of a tensor-parallel group are neighbours, so on several
+nodes each group stays inside a node when T divides the GPUs per node).
+Tensor parallelism (:func:`apply_tensor_parallel`) splits each layer's
+weights over the ``tp`` ranks with torch's ``parallelize_module`` and a plan
+(torchtune's ``base_llama_tp_plan`` by default); FSDP2 then shards what
+remains over the ``dp`` ranks.
+
 FSDP2 normally *averages* gradients over ranks; :func:`shard_model` makes it
 *sum* them instead, because :mod:`torchtune_ext.step` already divides each
 rank's local summed loss by the *global* token count of the step:
 
-    grad = d/dθ  Σ_ranks local_summed_loss_r / global_num_tokens
-         = Σ_ranks  grad_r
+    grad = d/dθ  Σ_dp-ranks local_summed_loss_r / global_num_tokens
+         = Σ_dp-ranks  grad_r
 
 so the summed gradient is exactly the gradient of the global step loss, and no
-gradient is rescaled after backward. The reduction stays a plain SUM (no
+gradient is rescaled after backward. The ranks of one tensor-parallel group
+see the same samples: their tokens are counted once, which is why the count,
+the summed loss and the metrics are reduced over the ``dp`` dimension only
+(:attr:`Parallelism.dp_group`). The reduction stays a plain SUM (no
 ``PREMUL_SUM``), which gloo supports, so the same code runs on CPU (gloo) and
 CUDA (nccl).
 
 Checkpoints are written in the single-device format: every rank takes part
-in gathering the full state dicts, rank 0 receives them (on CPU) and writes.
+in gathering the full state dicts (``DTensor.full_tensor`` undoes both the
+FSDP2 and the tensor-parallel split), rank 0 receives them (on CPU) and
+writes; a load splits them again for whatever mesh the resumed run has, so a
+tensor-parallel run resumes on data parallelism alone and back.
 """
 
+import random
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from math import gcd
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, parallelize_module
 from torch.nn.modules.module import _IncompatibleKeys
+from torchtune import config as tt_config
 from torchtune import training
+from torchtune.modules import MultiHeadAttention, TiedLinear
 
 from torchtune_ext import ranks
 from torchtune_ext.checkpoint import rng_state
+from torchtune_ext.config import check_tensor_parallel_dim
 from torchtune_ext.errors import ConfigError
-from torchtune_ext.upstream import first_mismatch
+from torchtune_ext.upstream import first_mismatch, model_family
 
 
 def init_process_group(device: torch.device, cpu_offload: bool = False) -> Tuple[int, int]:
@@ -58,6 +84,264 @@ def init_process_group(device: torch.device, cpu_offload: bool = False) -> Tuple
     return ranks.rank(), ranks.process_group_size()
 
 
+# ----------------------------------------------------------------- the mesh
+@dataclass(frozen=True)
+class Parallelism:
+    """How the job's ranks split the work: the device mesh, and the tensor-parallel plan when it has a ``tp`` dimension.
+
+    Attributes:
+        mesh: ``("dp",)`` over all ranks, or ``("dp", "tp")`` of shape
+            ``(world_size / T, T)``: rank ``r`` is data-parallel rank
+            ``r // T`` and tensor-parallel rank ``r % T``.
+        tensor_parallel_plan: module name pattern -> torch ``ParallelStyle``
+            (:func:`tensor_parallel_plan`); None without a ``tp`` dimension.
+    """
+
+    mesh: DeviceMesh
+    tensor_parallel_plan: Optional[Dict[str, ParallelStyle]] = None
+
+    @property
+    def tp_size(self) -> int:
+        """Ranks of one tensor-parallel group (1: data parallel only)."""
+        return self.mesh["tp"].size() if "tp" in (self.mesh.mesh_dim_names or ()) else 1
+
+    @property
+    def tp_mesh(self) -> Optional[DeviceMesh]:
+        """This rank's tensor-parallel group as a 1-D mesh; None without tensor parallelism."""
+        return self.mesh["tp"] if self.tp_size > 1 else None
+
+    @property
+    def dp_mesh(self) -> DeviceMesh:
+        """This rank's data-parallel group as a 1-D mesh (FSDP2 shards over it)."""
+        return self.mesh["dp"]
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks: groups that see different samples (world size / ``tp_size``)."""
+        return self.dp_mesh.size()
+
+    @property
+    def dp_rank(self) -> int:
+        """Which share of each step's samples this rank takes (the same on every rank of a tensor-parallel group)."""
+        return self.dp_mesh.get_local_rank()
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        """The process group the token count, the summed loss and the metrics are reduced over."""
+        return self.dp_mesh.get_group()
+
+
+def build_parallelism(device: torch.device, tensor_parallel_dim: int = 1,
+                      tensor_parallel_plan: Optional[Dict[str, ParallelStyle]] = None) -> Parallelism:
+    """The job's device mesh, after :func:`init_process_group`.
+
+    Args:
+        device: this rank's device; its type names the mesh.
+        tensor_parallel_dim: ranks per tensor-parallel group (the config key);
+            1: a ``("dp",)`` mesh over all ranks.
+        tensor_parallel_plan: the plan to apply (:func:`tensor_parallel_plan`),
+            needed when ``tensor_parallel_dim > 1``.
+
+    Raises:
+        ConfigError: (key ``tensor_parallel_dim``) it does not divide the
+            number of ranks (:func:`torchtune_ext.config.check_tensor_parallel_dim`).
+    """
+    world_size = ranks.process_group_size()
+    check_tensor_parallel_dim(tensor_parallel_dim, world_size)
+    if tensor_parallel_dim == 1:
+        return Parallelism(init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",)))
+    if tensor_parallel_plan is None:
+        raise ValueError("build_parallelism: tensor_parallel_dim > 1 needs a tensor_parallel_plan")
+    mesh = init_device_mesh(device.type, (world_size // tensor_parallel_dim, tensor_parallel_dim),
+                            mesh_dim_names=("dp", "tp"))
+    return Parallelism(mesh, dict(tensor_parallel_plan))
+
+
+def seed_data_parallel_rank(seed: int, parallelism: Parallelism) -> None:
+    """Seed every generator with ``seed + dp_rank`` under tensor parallelism.
+
+    torchtune's ``set_seed`` gives rank ``r`` the seed ``seed + r``. The ranks
+    of one tensor-parallel group compute the same activations outside the
+    split layers, so whatever they draw there (dropout) must be the same on
+    each: they share their data-parallel rank's seed. Does nothing without
+    tensor parallelism.
+    """
+    if parallelism.tp_size == 1:
+        return
+    local = seed + parallelism.dp_rank
+    torch.manual_seed(local)  # CUDA's generators too
+    random.seed(local)
+    np.random.seed(local)
+
+
+# ---------------------------------------------------------- tensor parallel
+# The plan torchtune ships (its 70B configs name it as tensor_parallel_plan).
+DEFAULT_TP_PLAN = "torchtune.models.llama3.base_llama_tp_plan"
+# torchtune families whose decoders name their layers as Llama's (tok_embeddings,
+# layers.<i>.attn.{q,k,v,output}_proj, layers.<i>.mlp.w1/w2/w3, output) and hold no weight
+# that every head shares, so the Llama plan fits them; SmolLM2 (torchtune_ext.models) is llama3_2.
+PLAN_FAMILIES = ("llama2", "code_llama2", "llama3", "llama3_1", "llama3_2", "llama3_3", "mistral", "qwen2",
+                 "qwen2_5")
+
+
+def tensor_parallel_plan(cfg_plan: Any, model_component: str) -> Dict[str, ParallelStyle]:
+    """The tensor-parallel plan a config asks for: its ``tensor_parallel_plan``, or the Llama plan for its family.
+
+    Args:
+        cfg_plan: the ``tensor_parallel_plan`` config node (a ``_component_``
+            returning ``{module name pattern: ParallelStyle}``, as torchtune's
+            ``base_llama_tp_plan``), or None.
+        model_component: ``model._component_``, whose family decides the default.
+
+    Raises:
+        ConfigError: (key ``tensor_parallel_plan``) no plan is named and the
+            model's family has none, or the component does not return a plan.
+    """
+    if cfg_plan is None:
+        if model_component.startswith("torchtune_ext.hf."):
+            raise ConfigError("tensor_parallel_plan", f"{model_component} builds a transformers model, "
+                              "whose tp_plan these recipes do not apply (only torchtune's decoders have a plan "
+                              "here); set tensor_parallel_dim=1 (FSDP2 alone shards it)")
+        family = model_family(model_component)
+        if family not in PLAN_FAMILIES:
+            raise ConfigError("tensor_parallel_plan", f"{model_component} has no tensor-parallel plan (the "
+                              f"default, {DEFAULT_TP_PLAN}, fits the families {', '.join(PLAN_FAMILIES)}); "
+                              "name one with tensor_parallel_plan._component_, or set tensor_parallel_dim=1")
+        cfg_plan = OmegaConf.create({"_component_": DEFAULT_TP_PLAN})
+    try:
+        plan = tt_config.instantiate(cfg_plan)
+    except Exception as err:  # noqa: BLE001 -- any builder error is the config's
+        raise ConfigError("tensor_parallel_plan", f"{cfg_plan.get('_component_')} cannot build a plan: {err}") \
+            from None
+    if not isinstance(plan, dict) or not all(isinstance(v, ParallelStyle) for v in plan.values()):
+        raise ConfigError("tensor_parallel_plan", f"{cfg_plan.get('_component_')} must return a dict of module "
+                          "name patterns to torch ParallelStyle objects, as torchtune's base_llama_tp_plan does")
+    return dict(plan)
+
+
+def _plain_name(name: str) -> List[str]:
+    """A module's name without the wrappers activation checkpointing and compiling put in."""
+    return [part for part in name.split(".") if part not in ("_checkpoint_wrapped_module", "_orig_mod")]
+
+
+def _modules_matching(model: nn.Module, pattern: str) -> List[Tuple[str, nn.Module]]:
+    """``(name, module)`` whose name fits ``pattern`` part by part (``*`` matches one part, e.g. a layer number)."""
+    parts = pattern.split(".")
+    found = []
+    for name, module in model.named_modules():
+        plain = _plain_name(name)
+        if len(plain) == len(parts) and all(fnmatchcase(n, p) for n, p in zip(plain, parts)):
+            found.append((name, module))
+    return found
+
+
+def check_tensor_parallel(model: nn.Module, plan: Dict[str, ParallelStyle], tensor_parallel_dim: int,
+                          model_component: str) -> None:
+    """Whether ``plan`` can split ``model`` (built on the meta device) over ``tensor_parallel_dim`` ranks.
+
+    Each tensor-parallel rank computes whole attention heads, so the number
+    of query heads and of key/value heads of every attention module must be
+    multiples of it; each pattern of the plan must name modules of the model,
+    and those must be plain ``nn.Linear`` or ``nn.Embedding`` layers (torch's
+    styles split nothing else: LoRA's linears have no style). An ``output``
+    entry is skipped for a tied output projection: it is the split embedding.
+
+    Raises:
+        ConfigError: (key ``tensor_parallel_dim``) a head count it does not
+            divide; (key ``tensor_parallel_plan``) a pattern that names no
+            module, or a module the plan cannot split.
+    """
+    for name, module in model.named_modules():
+        if not isinstance(module, MultiHeadAttention):
+            continue
+        counts = {"num_heads": module.num_heads, "num_kv_heads": module.num_kv_heads,
+                  "embed_dim": module.embed_dim}
+        bad = [f"{key}={n}" for key, n in counts.items() if n % tensor_parallel_dim]
+        if bad:
+            fits = gcd(gcd(module.num_heads, module.num_kv_heads), module.embed_dim)
+            raise ConfigError("tensor_parallel_dim", f"{tensor_parallel_dim} does not divide the model's "
+                              f"{', '.join(bad)} ({'.'.join(_plain_name(name))} of {model_component}): each "
+                              f"tensor-parallel rank computes whole heads; use a divisor of {fits}")
+    tied = isinstance(getattr(model, "output", None), TiedLinear)
+    for pattern in plan:
+        if pattern == "output" and tied:
+            continue
+        matches = _modules_matching(model, pattern)
+        if not matches:
+            raise ConfigError("tensor_parallel_plan", f"'{pattern}' names no module of {model_component}: the "
+                              "plan does not fit this model; name a plan for it, or set tensor_parallel_dim=1")
+        for name, module in matches:
+            if type(module) not in (nn.Linear, nn.Embedding):
+                lora = hasattr(module, "adapter_params")
+                why = ("LoRA/DoRA linears have no tensor-parallel style; train LoRA with tensor_parallel_dim=1 "
+                       "(FSDP2 shards its frozen base)" if lora else
+                       "torch's styles split only nn.Linear and nn.Embedding; name a plan for this model, or set "
+                       "tensor_parallel_dim=1")
+                raise ConfigError("tensor_parallel_plan", f"cannot split {'.'.join(_plain_name(name))} "
+                                  f"({type(module).__name__}) of {model_component}: {why}")
+
+
+class GatheredTiedLinear(TiedLinear):
+    """A tied output projection whose weight (the token embedding) is split over the tensor-parallel ranks.
+
+    ``x`` ``[..., hidden]`` is the same on every rank of the group; each rank
+    multiplies it by its slice of the weight and the slices of the logits
+    are gathered: every rank gets the whole ``[..., vocab]`` logits, as a
+    plain tensor, which is what :class:`torchtune_ext.loss.SummedCrossEntropyLoss`
+    indexes, soft-maxes and measures. The gradient flows back to each slice
+    and, summed over the group, to ``x``. With a weight that is not split
+    (outside the model's forward under FSDP2, or no tensor parallelism) it is
+    torchtune's ``TiedLinear``.
+    """
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.tied_module.weight
+        if not isinstance(weight, DTensor):
+            return super().__call__(x)
+        mesh = weight.device_mesh
+        replicated = [Replicate()] * mesh.ndim
+        logits = self.linear(DTensor.from_local(x, mesh, replicated, run_check=False), weight)
+        return logits.redistribute(mesh, replicated).to_local()
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: Dict[str, ParallelStyle]) -> None:
+    """Split ``model``'s layers over the ``tp_mesh`` ranks as ``plan`` says (before FSDP2; on meta is fine).
+
+    torchtune's ``prepare_mha_for_tp`` first makes each attention module
+    compute its local heads; then each module the plan names (activation
+    checkpointing's and ``torch.compile``'s wrappers are looked through) is
+    parallelized with torch's ``parallelize_module``.
+
+    The output projection always returns whole logits on every rank: the
+    loss applies it itself, to the trainable rows only, and reads token
+    metrics (argmax, entropy) off the full distribution, which a
+    vocabulary-split ``loss_parallel`` cannot give. So an untied ``output``
+    is split by columns and its output gathered (torchtune's plan does the
+    same: ``ColwiseParallel(output_layouts=Replicate())``), and a tied one
+    becomes a :class:`GatheredTiedLinear` over the split embedding. The
+    gathered logits cost one all-gather per output chunk and the same memory
+    as without tensor parallelism.
+
+    Raises:
+        ValueError: a pattern names no module (:func:`check_tensor_parallel`
+            reports it as a config error before anything loads).
+    """
+    training.prepare_mha_for_tp(model, tp_mesh)
+    output = getattr(model, "output", None)
+    for pattern, style in plan.items():
+        if pattern == "output":
+            if isinstance(output, TiedLinear):
+                continue
+            style = ColwiseParallel(output_layouts=Replicate())
+        matches = _modules_matching(model, pattern)
+        if not matches:
+            raise ValueError(f"tensor-parallel plan: '{pattern}' names no module of the model")
+        for _name, module in matches:
+            parallelize_module(module, tp_mesh, style)
+    if isinstance(output, TiedLinear):
+        model.output = GatheredTiedLinear(output.tied_module)
+
+
 def _is_layer(name: str) -> bool:
     """``layers.<i>`` at any depth: one FSDP unit per transformer block."""
     parts = name.split(".")
@@ -67,8 +351,9 @@ def _is_layer(name: str) -> bool:
 def shard_model(
     model: nn.Module, device: torch.device, *, cpu_offload: bool = False, reshard_after_forward: bool = True,
     custom_sharded_layers: Optional[List[str]] = None, is_block: Optional[Callable[[str, nn.Module], bool]] = None,
+    parallelism: Optional[Parallelism] = None,
 ) -> List[FSDPModule]:
-    """Shard ``model`` in place with FSDP2, summing (not averaging) gradients.
+    """Shard ``model`` in place with FSDP2, summing (not averaging) gradients; tensor parallel first if asked.
 
     Each transformer block becomes its own FSDP unit (parameters all-gathered
     just before it runs), then the root takes the rest (embeddings, final
@@ -98,6 +383,10 @@ def shard_model(
             blocks; default: modules named ``layers.<i>`` (torchtune's
             decoders). transformers models pass their ``_no_split_modules``
             (:func:`torchtune_ext.hf.shard_model`).
+        parallelism: the job's mesh (:func:`build_parallelism`); with a
+            ``tp`` dimension the model is split by its plan first
+            (:func:`apply_tensor_parallel`) and FSDP2 shards over ``dp``.
+            None: a ``("dp",)`` mesh over all ranks.
 
     Returns:
         The FSDP units, root last.
@@ -106,8 +395,8 @@ def shard_model(
         ValueError: if the model has no transformer block.
         ConfigError: (key ``custom_sharded_layers``) a name that is not a module of the model.
     """
-    mesh = init_device_mesh(device.type, (ranks.process_group_size(),), mesh_dim_names=("dp",))
-    kwargs: Dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    parallelism = parallelism or build_parallelism(device)
+    kwargs: Dict[str, Any] = {"mesh": parallelism.dp_mesh, "reshard_after_forward": reshard_after_forward}
     if cpu_offload:
         # Pinned host memory speeds host<->GPU copies; there is no GPU to pin for on CPU.
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
@@ -120,11 +409,11 @@ def shard_model(
     if unknown:
         raise ConfigError("custom_sharded_layers", f"the model has no module {unknown[0]!r} (names as in "
                           "model.named_modules(), e.g. tok_embeddings, output)")
-    from torchtune.modules import TiedLinear
-
     if "tok_embeddings" in custom and isinstance(getattr(model, "output", None), TiedLinear):
         raise ConfigError("custom_sharded_layers", "tok_embeddings is tied to the output projection in this model "
                           "and must stay in the root FSDP unit; remove it from the list")
+    if parallelism.tp_mesh is not None:
+        apply_tensor_parallel(model, parallelism.tp_mesh, parallelism.tensor_parallel_plan)
     # children before their parents, as fully_shard needs (named_modules lists parents first)
     blocks = [m for n, m in reversed(list(modules.items()))
               if n and (is_block(n, m) or n in custom) and any(True for _ in m.parameters())]

@@ -233,12 +233,14 @@ class Validator:
         cfg: the validated recipe config.
         loader: from :func:`build_val_loader`.
         model, loss_fn, logger, device: the recipe's.
+        dp_group: the data-parallel group the sums are reduced over (:func:`evaluate`).
     """
 
     def __init__(self, cfg: DictConfig, loader: Optional[StepLoader], model: nn.Module,
-                 loss_fn: SummedCrossEntropyLoss, logger: Any, device: torch.device):
+                 loss_fn: SummedCrossEntropyLoss, logger: Any, device: torch.device,
+                 dp_group: Optional[dist.ProcessGroup] = None):
         self._loader, self._model, self._loss_fn = loader, model, loss_fn
-        self._logger, self._device = logger, device
+        self._logger, self._device, self._dp_group = logger, device, dp_group
         self.every_n_steps: Optional[int] = cfg.run_val_every_n_steps
         self.at_start_enabled: bool = cfg.run_val_at_start
         self.epochs: int = cfg.epochs
@@ -267,7 +269,7 @@ class Validator:
         """Evaluate now and log ``step``, ``epoch``, ``tokens_seen`` and ``val_loss``,
         ``val_perplexity``, ``val_token_accuracy``, ``val_entropy``, ``val_num_tokens``,
         ``val_num_samples``, ``val_seconds``. Returns the record."""
-        result = evaluate(self._model, self._loss_fn, self._loader, device=self._device)
+        result = evaluate(self._model, self._loss_fn, self._loader, device=self._device, dp_group=self._dp_group)
         record: Dict[str, Any] = {"step": progress.step, "epoch": progress.epoch, "tokens_seen": progress.tokens_seen}
         record.update({f"val_{k}": v for k, v in result.metrics().items()})
         self._logger.log(record)

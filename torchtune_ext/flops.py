@@ -95,7 +95,10 @@ class ModelFlops:
                 trainable += param.numel()
             else:
                 frozen += param.numel()
-        return cls(trainable, frozen, len(layers), attn.num_heads * attn.head_dim)
+        # the query projection's whole width: under tensor parallelism num_heads counts this rank's heads only
+        query = getattr(getattr(attn, "q_proj", None), "weight", None)
+        attn_dim = int(query.shape[0]) if query is not None else attn.num_heads * attn.head_dim
+        return cls(trainable, frozen, len(layers), attn_dim)
 
     def step_flops(self, positions: int, squared_lengths: int) -> float:
         """FLOPs of ``positions`` tokens in sequences whose squared lengths add up to ``squared_lengths``.

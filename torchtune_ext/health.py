@@ -77,14 +77,14 @@ def parameters_finite(parameters: Iterable[torch.Tensor]) -> bool:
     norms summed in float64: NaN and inf propagate into the sum. Entries
     beyond about 1e19, whose squares overflow the dtype, count as
     non-finite too: weights that large are destroyed anyway. Under FSDP2
-    each rank checks its shards and one all-reduce adds the results, so
-    every rank gets the same answer.
+    (and tensor parallelism) each rank checks its shards and one all-reduce
+    over every rank adds the results, so every rank gets the same answer.
     """
-    by_device, groups, device = {}, set(), None
+    by_device, sharded, device = {}, False, None
     for p in parameters:
         t = p.detach()
         if isinstance(t, DTensor):
-            groups.add(t.device_mesh.get_group())
+            sharded = True
             t = t.to_local()
         device = device or t.device
         if t.numel():
@@ -94,8 +94,8 @@ def parameters_finite(parameters: Iterable[torch.Tensor]) -> bool:
     total = torch.zeros((), dtype=torch.float64, device=device)
     for tensors in by_device.values():
         total += torch.stack(torch._foreach_norm(tensors)).double().sum().to(device)
-    for group in groups:
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    if sharded and dist.is_initialized():  # a sum over every rank holds each shard (some more than once): finite or not
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
     return bool(torch.isfinite(total))
 
 

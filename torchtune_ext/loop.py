@@ -66,11 +66,14 @@ class TrainingRun:
     Args:
         cfg (DictConfig): a config already checked by :func:`torchtune_ext.config.validate`.
         distributed (bool): join the job's process group (gloo on CPU, nccl on
-            CUDA) and train data-parallel over its ranks with FSDP2; the
-            recipe shards its model. False: one process, one device.
+            CUDA) and train data-parallel over its ranks with FSDP2, with
+            ``tensor_parallel_dim`` ranks per tensor-parallel group; the
+            recipe shards its model (``parallelism``). False: one process, one device.
 
     Attributes set by the constructor: ``cfg``, ``device``, ``dtype``,
-    ``rank``, ``world_size`` (data-parallel ranks), ``progress``; by
+    ``rank``, ``world_size`` (data-parallel ranks), ``dp_rank``,
+    ``parallelism`` (:class:`torchtune_ext.distributed.Parallelism`; None
+    on one device), ``progress``; by
     :meth:`load_data_and_checkpoint`: ``tokenizer``, ``loss_fn``, ``data``,
     ``val_data``, ``checkpoints``; by :meth:`setup_training`: ``model``,
     ``optimizer``, ``lr_scheduler`` and the metric logger.
@@ -82,12 +85,30 @@ class TrainingRun:
         set_log_level(cfg.log_level)
         self.device = utils.get_device(None if cfg.device == "auto" else cfg.device)
         self.dtype = training.get_dtype(cfg.dtype, device=self.device)
-        self.rank, self.world_size = (
+        self.rank, self.processes = (
             parallel.init_process_group(self.device, cfg.fsdp_cpu_offload) if distributed else (0, 1))
+        self.parallelism = self._build_parallelism() if distributed else None
+        # Data-parallel ranks: the ranks of a tensor-parallel group share one share of the samples.
+        self.world_size = self.parallelism.dp_size if distributed else 1
+        self.dp_rank = self.parallelism.dp_rank if distributed else 0
         self.progress = Progress(seed=training.set_seed(seed=cfg.seed))
+        if distributed:
+            parallel.seed_data_parallel_rank(self.progress.seed, self.parallelism)
         self._stop = GracefulStop(self.device, self.rank, cfg.output_dir)  # SIGTERM / Ctrl-C: save, exit 75
         self._resumed = None
         self._lock = self.metric_logger = None
+
+    def _build_parallelism(self) -> "parallel.Parallelism":
+        tensor_parallel_dim = self.cfg.get("tensor_parallel_dim", 1)
+        plan = (parallel.tensor_parallel_plan(self.cfg.get("tensor_parallel_plan"), self.cfg.model._component_)
+                if tensor_parallel_dim > 1 else None)
+        return parallel.build_parallelism(self.device, tensor_parallel_dim, plan)
+
+    @property
+    def dp_group(self) -> Optional[Any]:
+        """The group the step's token count and sums are reduced over: the data-parallel ranks under
+        tensor parallelism; None (every rank, as ever) without it."""
+        return self.parallelism.dp_group if self.parallelism and self.parallelism.tp_size > 1 else None
 
     def log(self, message: str) -> None:
         """Log ``message`` once per job (rank 0)."""
@@ -99,6 +120,8 @@ class TrainingRun:
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         share = f", {trainable:,} trainable ({100 * trainable / total:.2f}%)" if trainable < total else ""
         fsdp = f", FSDP2 over {self.world_size} ranks" if self.distributed else ""
+        if self.parallelism and self.parallelism.tp_size > 1:
+            fsdp = f", {self.world_size} data-parallel (FSDP2) x {self.parallelism.tp_size} tensor-parallel ranks"
         self.log(f"Model: {total:,} parameters{share}, {self.dtype} on {self.device}{fsdp}")
 
     # ------------------------------------------------------------------ setup
@@ -132,7 +155,7 @@ class TrainingRun:
         # Data first: a bad dataset fails before anything is loaded or written.
         self.tokenizer = build_tokenizer(cfg.tokenizer)
         self.loss_fn = build_loss(cfg.loss, compile=cfg.compile)
-        dp = dict(dp_rank=self.rank, dp_world_size=self.world_size)
+        dp = dict(dp_rank=self.dp_rank, dp_world_size=self.world_size)  # a tensor-parallel group: the same samples
         self.data = build_step_loader(cfg, self.tokenizer, seed=self.progress.data_seed,
                                       ignore_index=self.loss_fn.ignore_index, **dp)
         self.val_data = build_val_loader(cfg, self.tokenizer, ignore_index=self.loss_fn.ignore_index, **dp)
@@ -186,10 +209,11 @@ class TrainingRun:
                                   loss_spike_nats=cfg.loss_spike_nats, start_step=self.progress.step)
         self.metric_logger = build_metric_logger(cfg, rank=self.rank, resume=bool(self._resumed))
         self.metric_logger.log_config(cfg)
-        self._validator = Validator(cfg, self.val_data, model, self.loss_fn, self.metric_logger, self.device)
+        self._validator = Validator(cfg, self.val_data, model, self.loss_fn, self.metric_logger, self.device,
+                                    dp_group=self.dp_group)
         self._profiler = build_profiler(cfg.profiler)
         if self._resumed:  # last: building the model drew random numbers (LoRA's dropout draws more)
-            set_rng_state(self._resumed.rng_for(self.rank, self.world_size))
+            set_rng_state(self._resumed.rng_for(self.rank, self.processes))
 
     # ------------------------------------------------------------------ train
     def train(self, save_checkpoint: Callable[[], Path]) -> int:
@@ -209,6 +233,7 @@ class TrainingRun:
         reporter = StepReporter(self.metric_logger, self.device, total_steps=progress.total_steps,
                                 initial_step=progress.step, log_every_n_steps=cfg.log_every_n_steps,
                                 dp_world_size=self.world_size, rank=self.rank, model=self.model, dtype=self.dtype,
+                                tp_world_size=self.parallelism.tp_size if self.parallelism else 1,
                                 peak_tflops_per_device=cfg.peak_tflops_per_device,
                                 log_peak_memory=cfg.log_peak_memory_stats, profiler=self._profiler)
         self._validator.at_start(progress)
@@ -223,7 +248,7 @@ class TrainingRun:
                 lr = training.get_lr(self.optimizer)
                 result = train_step(
                     self.model, self.optimizer, self.loss_fn, step_data.micro_batches, device=self.device,
-                    backward=cfg.backward, clip_grad_norm=cfg.clip_grad_norm,
+                    backward=cfg.backward, clip_grad_norm=cfg.clip_grad_norm, dp_group=self.dp_group,
                     health=self._health, step=progress.step + 1, memory_guard=self._memory_guard,
                     baseline=step_data.baseline,
                 )

@@ -34,10 +34,8 @@ any optimizer.
 from typing import Any, Callable, Dict, Iterable, List
 
 import torch
-import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
-from torchtune_ext.grad_norm import sum_of_squares
+from torchtune_ext.grad_norm import SquareSums
 
 
 class OptimizerInBackward(torch.optim.Optimizer):
@@ -64,20 +62,13 @@ class OptimizerInBackward(torch.optim.Optimizer):
                 raise ValueError("optimizer_in_bwd: make_optimizer must return an optimizer over exactly its parameter")
         # The inner optimizers' own group dicts: a scheduler's lr changes reach them.
         super().__init__([opt.param_groups[0] for opt in self._optimizers], {})
-        self._sharded_sq = torch.zeros((), dtype=torch.float64, device=self._params[0].device)
-        self._replicated_sq = torch.zeros((), dtype=torch.float64, device=self._params[0].device)
-        self._groups = set()
+        self._squares = SquareSums(self._params[0].device)
         for param, optimizer in zip(self._params, self._optimizers):
             param.register_post_accumulate_grad_hook(self._make_hook(optimizer))
 
     def _make_hook(self, optimizer: torch.optim.Optimizer) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
-            grad = param.grad
-            if isinstance(grad, DTensor):
-                self._groups.add(grad.device_mesh.get_group())
-                self._sharded_sq += sum_of_squares(grad.to_local()).to(self._sharded_sq.device)
-            else:
-                self._replicated_sq += sum_of_squares(grad).to(self._replicated_sq.device)
+            self._squares.add(param.grad)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
@@ -85,20 +76,16 @@ class OptimizerInBackward(torch.optim.Optimizer):
 
     def start_step(self) -> None:
         """Reset the gradient-norm sums; call before the step's backward."""
-        self._sharded_sq.zero_()
-        self._replicated_sq.zero_()
+        self._squares = SquareSums(self._params[0].device)
 
     def grad_norm(self) -> torch.Tensor:
         """L2 norm of the gradients the hooks saw since :meth:`start_step`, all shards.
 
         Returns:
             float64 scalar, identical on every rank (one all-reduce per mesh
-            group for the sharded part).
+            dimension that splits a gradient: :class:`torchtune_ext.grad_norm.SquareSums`).
         """
-        sharded = self._sharded_sq.clone()
-        for group in self._groups:
-            dist.all_reduce(sharded, op=dist.ReduceOp.SUM, group=group)
-        return (sharded + self._replicated_sq).sqrt()
+        return self._squares.total().sqrt()
 
     @property
     def optimizers(self) -> List[torch.optim.Optimizer]:

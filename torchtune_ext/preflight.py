@@ -14,7 +14,9 @@ cheaply:
 3. the model builds on the meta device (no memory, no weights): builder
    errors, an adapter on a tied output projection, and sequences longer than
    the model takes (``tokenizer.max_seq_len``, a packed row's budget: torchtune's
-   decoder would refuse them only at the first forward);
+   decoder would refuse them only at the first forward); with
+   ``tensor_parallel_dim > 1``, a tensor-parallel plan for it that splits
+   whole heads (:func:`torchtune_ext.distributed.check_tensor_parallel`);
 4. the optimizer and the LR scheduler are built around one dummy parameter
    (on the training device): their own value checks (``lr=-1``) run;
 5. the metric logger's ``log_dir`` can be created, and a W&B logger's run
@@ -37,6 +39,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from torchtune import config as tt_config
 
 from torchtune_ext.config import PROFILER_COMPONENT, check_output_dir, enabled, resolve_component
+from torchtune_ext.distributed import check_tensor_parallel, tensor_parallel_plan
 from torchtune_ext.errors import ConfigError, UserError
 from torchtune_ext.loss import SummedCrossEntropyLoss, build_loss
 from torchtune_ext.models import nf4_error, quantizes_base
@@ -112,8 +115,9 @@ def check_components(cfg: DictConfig, device: torch.device) -> None:
             build_loss(node, log_replacement=False)
         elif callable(target):
             _check_arguments(key, target, node)
-    _check_model(cfg.model, cfg.get("max_tokens_per_micro_batch") if cfg.get("pack_micro_batches") else None,
-                 cfg.tokenizer.get("max_seq_len"))
+    model = _check_model(cfg.model, cfg.get("max_tokens_per_micro_batch") if cfg.get("pack_micro_batches") else None,
+                         cfg.tokenizer.get("max_seq_len"))
+    _check_tensor_parallel(cfg, model)
     _check_optimizer(cfg, device)
     _check_metric_logger(cfg)
     _check_profiler(cfg)
@@ -199,9 +203,9 @@ def _remember_limit(cfg_model: DictConfig, model: torch.nn.Module) -> Optional[i
 
 
 def _check_model(cfg_model: DictConfig, packed_row_tokens: Optional[int] = None,
-                 tokenizer_max_seq_len: Optional[int] = None) -> None:
+                 tokenizer_max_seq_len: Optional[int] = None) -> torch.nn.Module:
     """``packed_row_tokens``: the longest row ``pack_micro_batches`` may build (its budget);
-    ``tokenizer_max_seq_len``: the length samples (and packs) are cut at."""
+    ``tokenizer_max_seq_len``: the length samples (and packs) are cut at. Returns the model, on meta."""
     path = cfg_model._component_
     adapter_on_output = bool(cfg_model.get("apply_lora_to_output", False))
     tied = f"an adapter on the output projection is not possible: in {path} it is the token embedding " \
@@ -236,6 +240,16 @@ def _check_model(cfg_model: DictConfig, packed_row_tokens: Optional[int] = None,
 
         if isinstance(getattr(model, "output", None), TiedLinear):
             raise ConfigError("model.apply_lora_to_output", tied)
+    return model
+
+
+def _check_tensor_parallel(cfg: DictConfig, model: torch.nn.Module) -> None:
+    """A plan that splits ``model`` (on meta) into whole heads over ``tensor_parallel_dim`` ranks, when asked for."""
+    tensor_parallel_dim = cfg.get("tensor_parallel_dim", 1)
+    if tensor_parallel_dim == 1:
+        return
+    plan = tensor_parallel_plan(cfg.get("tensor_parallel_plan"), cfg.model._component_)
+    check_tensor_parallel(model, plan, tensor_parallel_dim, cfg.model._component_)
 
 
 def _check_optimizer(cfg: DictConfig, device: torch.device) -> None:

@@ -31,6 +31,13 @@ Data parallelism: each rank's loss is its *local* sum divided by the
 *global* token count, so the gradient of the step loss is the SUM of the
 ranks' gradients. The distributed recipes set FSDP's gradient divide factor
 to 1 so that FSDP sums instead of averaging.
+
+Tensor parallelism: the ranks of one tensor-parallel group train on the same
+samples, so the token count, the loss and the metrics are summed over the
+data-parallel group only (``dp_group``); summed over every rank they would
+count each token once per tensor-parallel rank. Decisions every rank must
+share (the memory guard's, whether an out-of-memory error may be caught)
+are taken over all ranks.
 """
 
 import contextlib
@@ -236,15 +243,18 @@ def _backward_per_micro_batch(model, loss_fn, prepared, tally: TokenTally, num_t
         model.set_requires_gradient_sync(True)
 
 
-def _largest_over_ranks(values: Sequence[int], device: torch.device, dp_group) -> List[int]:
-    """The element-wise maximum of integers over the data-parallel ranks (one tiny all-reduce).
+def _largest_over_ranks(values: Sequence[int], device: torch.device) -> List[int]:
+    """The element-wise maximum of integers over all ranks of the job (one tiny all-reduce).
 
-    ``device`` is where the process group's backend reduces (CPU for gloo, CUDA for nccl).
+    All ranks, not only the data-parallel ones: the ranks of a tensor-parallel
+    group run each other's collectives inside every forward and backward, so
+    they must choose the same backward mode. ``device`` is where the process
+    group's backend reduces (CPU for gloo, CUDA for nccl).
     """
-    if not dp_is_active(dp_group):
+    if not dp_is_active():
         return list(values)
     largest = torch.tensor(list(values), dtype=torch.int64, device=device)
-    dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=dp_group)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
     return [int(v) for v in largest.tolist()]
 
 
@@ -310,7 +320,9 @@ def forward_backward(
         device: where the model lives.
         backward: ``"auto"`` (default), ``"once_per_step"`` or ``"per_micro_batch"``
             (see above and the module docstring).
-        dp_group: data-parallel process group (None: default group, or none).
+        dp_group: the data-parallel process group, which the token count and
+            the sums are reduced over (:attr:`torchtune_ext.distributed.Parallelism.dp_group`;
+            None: the default group, i.e. every rank, or none).
         memory_guard: decides whether once per step fits under ``"auto"``, and
             warns under ``"once_per_step"`` (None: auto always tries once per step).
         baseline: this rank's micro-batches as torchtune's recipe would run
@@ -351,7 +363,7 @@ def forward_backward(
         # every rank decides on the same figures: the largest rank's needs bound the step
         needs = memory_guard.step_needs(shapes, baseline)
         with rank_wait.measure():
-            needs = _largest_over_ranks(needs, device, dp_group)
+            needs = _largest_over_ranks(needs, device)
         if mode == "auto":
             once, defer_sync = memory_guard.decide_step(needs)
             memory_guard.report(once, shapes, step)
@@ -360,7 +372,7 @@ def forward_backward(
     if not once:
         _backward_per_micro_batch(model, loss_fn, prepared, tally, num_tokens, defer_sync=defer_sync)
         return _with_mode(_totals(tally, dp_group, rank_wait), len(prepared) == 1)
-    if dp_is_active(dp_group) or mode == "once_per_step":  # asked for: an out-of-memory error stands
+    if dp_is_active() or mode == "once_per_step":  # other ranks wait in a collective; asked for: the error stands
         _backward_once(model, loss_fn, prepared, tally, num_tokens)
         return _with_mode(_totals(tally, dp_group, rank_wait), True)
 
@@ -469,7 +481,7 @@ def train_step(
             raise ValueError("clip_grad_norm cannot be used with an optimizer in backward")
         optimizer.start_step()
     mode = backward_mode(backward, backward_once_per_step)
-    rank_wait = RankWait(device, active=dp_is_active(dp_group))
+    rank_wait = RankWait(device, active=dp_is_active())
     totals = forward_backward(
         model, loss_fn, micro_batches, device=device,
         # in backward: one backward per step, so each hook sees the parameter's whole step gradient

@@ -29,6 +29,7 @@ from torchtune_ext.config.checkers import (
     resolve_component,
     validation_enabled,
 )
+from torchtune_ext.config.combinations import check_tensor_parallel_dim
 from torchtune_ext.config.files import check_input_files, check_output_dir
 from torchtune_ext.config.lora import LORA_ATTN_MODULES, LoRASettings, lora_settings
 from torchtune_ext.config.schema import (
@@ -58,6 +59,7 @@ __all__ = [
     "UserError",
     "check_input_files",
     "check_output_chunks",
+    "check_tensor_parallel_dim",
     "check_output_dir",
     "command_line_keys",
     "enabled",

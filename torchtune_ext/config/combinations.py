@@ -136,6 +136,20 @@ def check_sharded_checkpoints(cfg: DictConfig) -> None:
                           "set sharded_checkpoints=false (and enable_async_checkpointing=false)")
 
 
+def check_tensor_parallel_dim(tensor_parallel_dim: int, world_size: int) -> None:
+    """``tensor_parallel_dim`` must divide the job's ranks into whole tensor-parallel groups.
+
+    Raises:
+        ConfigError: (key ``tensor_parallel_dim``) naming both numbers and the values that would fit.
+    """
+    if world_size % tensor_parallel_dim:
+        fits = [t for t in range(1, world_size + 1) if world_size % t == 0]
+        ranks_of_job = f"{world_size} rank{'s' if world_size > 1 else ''}"
+        raise ConfigError("tensor_parallel_dim", f"{tensor_parallel_dim} does not divide the {ranks_of_job} of "
+                          f"this job into tensor-parallel groups; use one of {', '.join(map(str, fits))} "
+                          "(1: data parallel only), or start the job on a multiple of it")
+
+
 def check_combinations(cfg: DictConfig, training: bool = True) -> None:
     """Keys that are valid alone but not together, and component paths that must import.
 
@@ -177,6 +191,8 @@ def check_combinations(cfg: DictConfig, training: bool = True) -> None:
             raise ConfigError(f"checkpointer.{name}", "is not used: resume_from_checkpoint=true continues from the "
                               "newest complete step_<N> folder in output_dir (its recipe_state.pt and adapter); "
                               f"set checkpointer.{name}=null")
+    # before the process group: torchrun's WORLD_SIZE is the number of ranks the job will have
+    check_tensor_parallel_dim(cfg.get("tensor_parallel_dim", 1), ranks.world_size())
     fsdp = cfg.get("fsdp")
     if fsdp is not None and bool(fsdp.get("cpu_offload", False)) != bool(cfg.get("fsdp_cpu_offload", False)):
         # torchtune's recipes never read fsdp.cpu_offload either; say which one applies

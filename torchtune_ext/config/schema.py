@@ -106,13 +106,6 @@ def _optional_names(key: str, value: Any) -> None:
                           f"got {value!r}")
 
 
-def _tensor_parallel_dim(key: str, value: Any) -> None:
-    positive_int(key, value)
-    if value > 1:
-        raise ConfigError(key, "tensor parallelism is not supported: these recipes shard with FSDP2 over data-parallel "
-                          "ranks only; set tensor_parallel_dim=1 (fsdp_cpu_offload or more ranks save memory instead)")
-
-
 def _fsdp_section(key: str, value: Any) -> None:
     if value is None:
         return
@@ -279,10 +272,12 @@ DISTRIBUTED_KEYS: Dict[str, Key] = {
     "custom_sharded_layers": Key(None, _optional_names, doc=(
         "Modules (by name, e.g. [tok_embeddings, output]) that get an FSDP unit of their own besides every "
         "decoder layer, as in torchtune.")),
-    "tensor_parallel_dim": Key(1, _tensor_parallel_dim, doc=(
-        "Must be 1: data parallelism only (tensor parallelism would split each sequence's logits over ranks).")),
+    "tensor_parallel_dim": Key(1, positive_int, doc=(
+        "Ranks per tensor-parallel group: N ranks train as N/T data-parallel (FSDP2) x T tensor-parallel; T must "
+        "divide N and the model's head counts; 1: data parallel only (docs/distributed.md).")),
     "tensor_parallel_plan": Key(None, optional_component_node, doc=(
-        "Accepted for torchtune's configs; not used (no tensor parallelism).")),
+        "How tensor parallelism splits the model (a function returning torch ParallelStyles by module name); "
+        "null: torchtune's base_llama_tp_plan for the Llama-like families, refused for others.")),
     "fsdp": Key(None, _fsdp_section, doc=(
         "Some torchtune configs carry `fsdp: {cpu_offload: ...}`, which upstream never reads; fsdp_cpu_offload "
         "applies.")),

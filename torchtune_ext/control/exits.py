@@ -107,13 +107,19 @@ def finish_wandb(status: int, quiet: bool = False) -> None:
         pass
 
 
-def record_outcome(status: int) -> None:
+def record_outcome(status: int, every_node: bool = False) -> None:
     """Rank 0, after printing its last line: tell torchrun's launcher the exit status (see :data:`OUTCOME_FILE_ENV`).
 
-    Does nothing outside ``tune run --nproc_per_node`` or on other ranks.
+    ``every_node``: a status every rank shares (a stop that all ranks agreed
+    on, the end of training), which every rank calls this with: the first
+    worker of each node tells its node's launcher too. Without it, a
+    scheduler's SIGTERM to the launcher of a node without rank 0 would end
+    that launcher with 143 while its workers saved and exited 75.
+
+    Does nothing outside ``tune run --nproc_per_node``, or on other ranks.
     """
     path = os.environ.get(OUTCOME_FILE_ENV)
-    if path and ranks.is_rank_zero():
+    if path and (ranks.is_rank_zero() or (every_node and ranks.local_rank() == 0)):
         try:
             with open(path, "w") as f:
                 f.write(f"{status}\n")

@@ -162,7 +162,8 @@ class GracefulStop:
             else:
                 write_line(f"Stopped on {cause} after optimizer step {step}; checkpoint: {checkpoint}. "
                            f"Continue with: {resume_command()}  (exit status {EXIT_STOPPED})")
-            record_outcome(EXIT_STOPPED)  # for torchrun's launcher, which the signal may have reached too
+        # for torchrun's launcher of every node, which the signal may have reached too
+        record_outcome(EXIT_STOPPED, every_node=True)
         self._exit_status = EXIT_STOPPED
         if ranks.several_processes():
             dist.barrier()  # no rank exits (and makes torchrun stop the others) before this is said
@@ -177,8 +178,8 @@ class GracefulStop:
         already decided, and a job script must not read it as a kill.
         """
         self._exit_status = 0
-        if self._rank == 0:
-            record_outcome(0)  # a signal to torchrun's launcher from now on must not turn this into a failure
+        # a signal to torchrun's launchers from now on must not turn this into a failure
+        record_outcome(0, every_node=True)
         return 0
 
     def close(self) -> None:

@@ -18,6 +18,7 @@ def step_record(
     step_seconds: float,
     device: torch.device,
     dp_world_size: int = 1,
+    tp_world_size: int = 1,
     skipped_steps: int = 0,
     tokens_seen: int = 0,
     data: Optional[Any] = None,
@@ -44,7 +45,9 @@ def step_record(
     ``data_wait_fraction`` and ``rank_wait_fraction`` (the shares of the
     step's wall time, data loading included, spent loading its samples and
     waiting for the other ranks: :func:`torchtune_ext.step.waiting_shares`), and with
-    ``dp_world_size > 1`` also ``dp_world_size`` and ``tokens_per_second_per_device``.
+    ``dp_world_size > 1`` also ``dp_world_size`` and ``tokens_per_second_per_device``
+    (over all ``dp_world_size x tp_world_size`` devices); with ``tp_world_size > 1``
+    (tensor parallelism) also ``tp_world_size``.
 
     With ``data`` (this rank's
     :class:`torchtune_ext.data.StepData`): ``padding_fraction`` (positions
@@ -55,7 +58,8 @@ def step_record(
     ``useful_tflops_per_device`` (the same for the non-padding tokens only),
     and with ``peak_tflops`` their ratios to it, ``mfu`` and ``useful_mfu``.
     Per-device numbers are this rank's (rank 0 logs; the data plan balances
-    the ranks).
+    the ranks); under tensor parallelism each device of a group computes
+    1/``tp_world_size`` of the FLOPs of the group's samples.
     """
     record: Dict[str, Any] = {"step": step, "epoch": epoch}
     if result.skipped is None:
@@ -80,14 +84,16 @@ def step_record(
         if flops is not None and step_seconds > 0:
             computed = flops.step_flops(data.num_padded_positions, data.padded_squared_lengths)
             useful = flops.step_flops(data.num_real_tokens, data.real_squared_lengths)
-            record["tflops_per_device"] = computed / step_seconds / 1e12
-            record["useful_tflops_per_device"] = useful / step_seconds / 1e12
+            record["tflops_per_device"] = computed / tp_world_size / step_seconds / 1e12
+            record["useful_tflops_per_device"] = useful / tp_world_size / step_seconds / 1e12
             if peak_tflops:
                 record["mfu"] = record["tflops_per_device"] / peak_tflops
                 record["useful_mfu"] = record["useful_tflops_per_device"] / peak_tflops
-    if dp_world_size > 1:
+    if dp_world_size * tp_world_size > 1:
         record["dp_world_size"] = dp_world_size
-        record["tokens_per_second_per_device"] = record["tokens_per_second"] / dp_world_size
+        record["tokens_per_second_per_device"] = record["tokens_per_second"] / (dp_world_size * tp_world_size)
+    if tp_world_size > 1:
+        record["tp_world_size"] = tp_world_size
     return record
 
 

@@ -28,6 +28,7 @@ class StepReporter:
         initial_step (int): steps already done (resume).
         log_every_n_steps (int): log every n-th step's record.
         dp_world_size (int): data-parallel ranks; the bar shows on rank 0 only.
+        tp_world_size (int): ranks per tensor-parallel group (per-device numbers, :func:`step_record`).
         model: the training model, for the FLOP count (None: no FLOP metrics).
         dtype: the compute dtype, for the peak.
         peak_tflops_per_device (float, optional): the config's peak; None: see
@@ -39,7 +40,7 @@ class StepReporter:
     """
 
     def __init__(self, logger: MetricLogger, device: torch.device, *, total_steps: int, initial_step: int = 0,
-                 log_every_n_steps: int = 1, dp_world_size: int = 1, rank: int = 0,
+                 log_every_n_steps: int = 1, dp_world_size: int = 1, tp_world_size: int = 1, rank: int = 0,
                  model: Optional[torch.nn.Module] = None, dtype: Optional[torch.dtype] = None,
                  peak_tflops_per_device: Optional[float] = None, log_peak_memory: bool = True,
                  profiler: Optional[Any] = None):
@@ -47,7 +48,7 @@ class StepReporter:
         from tqdm.contrib.logging import logging_redirect_tqdm
 
         self._logger, self._device = logger, device
-        self._log_every, self._dp_world_size = log_every_n_steps, dp_world_size
+        self._log_every, self._dp_world_size, self._tp_world_size = log_every_n_steps, dp_world_size, tp_world_size
         self._log_peak_memory, self._profiler = log_peak_memory, profiler
         if profiler is not None:
             profiler.start()
@@ -75,7 +76,8 @@ class StepReporter:
                  tokens_seen: int = 0, data: Optional[Any] = None) -> Dict[str, Any]:
         """Build the step's record (see :func:`step_record`), log it if due, advance the bar."""
         record = step_record(result, step=step, epoch=epoch, lr=lr, step_seconds=self._timer.stop(),
-                             device=self._device, dp_world_size=self._dp_world_size, skipped_steps=skipped_steps,
+                             device=self._device, dp_world_size=self._dp_world_size,
+                             tp_world_size=self._tp_world_size, skipped_steps=skipped_steps,
                              tokens_seen=tokens_seen, data=data, flops=self._flops, peak_tflops=self._peak,
                              log_peak_memory=self._log_peak_memory)
         if self._profiler is not None:

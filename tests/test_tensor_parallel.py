@@ -1,0 +1,186 @@
+"""Tensor parallelism x FSDP2: the same training as data parallelism, and bad input refused before anything loads.
+
+The exactness tests run one 4-process launch (tests/tp_worker.py, gloo on
+CPU): 2 data-parallel x 2 tensor-parallel ranks against 4 data-parallel
+ranks on the same global batch, 4 AdamW steps with clipping. The config
+checks run in this process on models built on the meta device.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
+
+from helpers import REPO_ROOT, rel_diff
+from torchtune_ext.config import DISTRIBUTED_KEYS, LORA_KEYS, ConfigError, validate
+from torchtune_ext.distributed import PLAN_FAMILIES, check_tensor_parallel, tensor_parallel_plan
+from torchtune_ext.grad_norm import split_dims
+
+TOL = 1e-5
+TINY = "torchtune_ext.models.tiny_llama"
+
+
+# ------------------------------------------------------------- the checks
+def test_split_dims_count_each_part_once():
+    """A weight split over dp and tp (FSDP2 over a tensor-parallel split: _StridedShard) adds its parts up over
+    both; one whole on every tensor-parallel rank (a norm's) over dp only; pending sums have no norm of parts."""
+    assert split_dims((_StridedShard(0, split_factor=2), Shard(0))) == (0, 1)
+    assert split_dims((Shard(0), Shard(1))) == (0, 1)
+    assert split_dims((Shard(0), Replicate())) == (0,)
+    assert split_dims((Shard(0),)) == (0,)
+    with pytest.raises(ValueError, match="pending reduction"):
+        split_dims((Shard(0), Partial()))
+
+
+def meta(component=TINY, **kwargs):
+    from torchtune import config as tt_config
+
+    with torch.device("meta"):
+        return tt_config.instantiate(OmegaConf.create({"_component_": component, **kwargs}))
+
+
+def test_the_llama_plan_fits_tied_and_untied_models():
+    plan = tensor_parallel_plan(None, TINY)
+    assert {"output", "tok_embeddings", "layers.*.attn.q_proj", "layers.*.mlp.w2"} <= set(plan)
+    check_tensor_parallel(meta(), plan, 2, TINY)  # tied: the output is the split embedding
+    qwen2 = "torchtune.models.qwen2.qwen2"
+    check_tensor_parallel(meta(qwen2, vocab_size=128, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=32,
+                               intermediate_dim=64, max_seq_len=128, tie_word_embeddings=False),
+                          tensor_parallel_plan(None, qwen2), 2, qwen2)
+    assert "qwen2" in PLAN_FAMILIES and "gemma" not in PLAN_FAMILIES
+
+
+@pytest.mark.parametrize("heads,kv_heads,tp,bad", [(4, 1, 2, "num_kv_heads=1"), (6, 6, 4, "num_heads=6")])
+def test_tensor_parallel_dim_must_divide_the_head_counts(heads, kv_heads, tp, bad):
+    model = meta(num_heads=heads, num_kv_heads=kv_heads, embed_dim=48)
+    with pytest.raises(ConfigError) as err:
+        check_tensor_parallel(model, tensor_parallel_plan(None, TINY), tp, TINY)
+    assert err.value.key == "tensor_parallel_dim"
+    assert bad in str(err.value) and "whole heads" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_model_without_a_plan_is_refused():
+    for component, why in (("torchtune.models.gemma.gemma_2b", "has no tensor-parallel plan"),
+                           ("torchtune_ext.hf.causal_lm", "transformers model")):
+        with pytest.raises(ConfigError) as err:
+            tensor_parallel_plan(None, component)
+        assert err.value.key == "tensor_parallel_plan" and why in str(err.value), str(err.value)
+        assert "tensor_parallel_dim=1" in str(err.value)
+
+
+def test_a_lora_model_has_no_plan():
+    lora = meta("torchtune_ext.models.lora_tiny_llama", lora_attn_modules=["q_proj", "v_proj"])
+    with pytest.raises(ConfigError) as err:
+        check_tensor_parallel(lora, tensor_parallel_plan(None, TINY), 2, TINY)
+    assert err.value.key == "tensor_parallel_plan" and "LoRA" in str(err.value), str(err.value)
+
+
+def test_a_plan_that_names_no_module_is_refused():
+    plan = {**tensor_parallel_plan(None, TINY), "layers.*.attn.qkv_proj": tensor_parallel_plan(None, TINY)["output"]}
+    with pytest.raises(ConfigError, match="'layers.*.attn.qkv_proj' names no module"):
+        check_tensor_parallel(meta(), plan, 2, TINY)
+
+
+def test_tensor_parallel_dim_must_divide_the_ranks(cfg, monkeypatch):
+    cfg.tensor_parallel_dim = 2
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert validate(cfg, extra_keys=DISTRIBUTED_KEYS).tensor_parallel_dim == 2
+    cfg.tensor_parallel_dim = 3
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, extra_keys=DISTRIBUTED_KEYS)
+    assert err.value.key == "tensor_parallel_dim"
+    assert "3 does not divide the 4 ranks" in str(err.value) and "use one of 1, 2, 4" in str(err.value)
+
+
+def test_the_config_check_finds_them_before_anything_loads(cfg, monkeypatch):
+    """preflight (run before the data, weights or output_dir are touched) builds the model on meta and checks."""
+    from torchtune_ext.preflight import check_components
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    cfg.tensor_parallel_dim = 4
+    cfg.model = {"_component_": TINY, "num_heads": 4, "num_kv_heads": 2}
+    cfg = validate(cfg, extra_keys=DISTRIBUTED_KEYS)
+    with pytest.raises(ConfigError, match="num_kv_heads=2"):
+        check_components(cfg, torch.device("cpu"))
+    lora = validate(OmegaConf.merge(cfg, {"model": {"_component_": "torchtune_ext.models.lora_tiny_llama",
+                                                    "lora_attn_modules": ["q_proj"], "num_kv_heads": 4},
+                                          "tensor_parallel_dim": 2}),
+                    extra_keys={**LORA_KEYS, **DISTRIBUTED_KEYS})
+    with pytest.raises(ConfigError, match="LoRA/DoRA linears have no tensor-parallel style"):
+        check_components(lora, torch.device("cpu"))
+
+
+# ------------------------------------------------------------- exactness
+CASES = [
+    {"name": "dp4", "tp": 1},
+    {"name": "dp2_tp2", "tp": 2},
+    {"name": "dp2_tp2_once", "tp": 2, "once": True},
+    {"name": "qwen2_dp4", "tp": 1, "arch": "qwen2"},
+    {"name": "qwen2_dp2_tp2", "tp": 2, "arch": "qwen2"},
+    # the mistake: the token count and sums reduced over every rank, i.e. each token counted once per tp rank
+    {"name": "dp2_tp2_counted_on_every_rank", "tp": 2, "count_all_ranks": True},
+    # checkpointed after 2 steps as the recipes save, continued on another layout
+    {"name": "dp2_tp2_then_dp4", "tp": 2, "then_tp": 1},
+    {"name": "dp4_then_dp2_tp2", "tp": 1, "then_tp": 2},
+]
+REFERENCE = {"llama": "dp4", "qwen2": "qwen2_dp4"}
+# Qwen2's key bias gets a gradient of 0 in exact arithmetic (softmax does not change when every key moves by the
+# same vector); AdamW turns its rounding noise (~1e-9) into steps of +-lr, different for every summation order.
+NOISE_ONLY = ("attn.k_proj.bias",)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp") / "results.pt"
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
+           str(REPO_ROOT / "tests" / "tp_worker.py"), str(out), json.dumps(CASES)]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return torch.load(out, weights_only=False)
+
+
+def assert_same_run(got, ref):
+    assert len(got["steps"]) == len(ref["steps"]) == 4
+    for i, (s, r) in enumerate(zip(got["steps"], ref["steps"])):
+        assert s["num_tokens"] == r["num_tokens"], i
+        for key in ("loss", "grad_norm", "token_accuracy", "entropy"):
+            assert abs(s[key] - r[key]) <= TOL * abs(r[key]) + 1e-7, (i, key, s[key], r[key])
+    assert got["params"].keys() == ref["params"].keys()
+    for key in ref["params"]:
+        if not key.endswith(NOISE_ONLY):
+            assert rel_diff(got["params"][key], ref["params"][key]) <= TOL, key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["dp2_tp2", "dp2_tp2_once", "qwen2_dp2_tp2"])
+def test_two_by_two_tensor_parallel_equals_four_data_parallel(results, name):
+    got = results[name]
+    assert (got["dp_size"], got["tp_size"]) == (2, 2)
+    assert_same_run(got, results[REFERENCE["qwen2" if name.startswith("qwen2") else "llama"]])
+
+
+@pytest.mark.slow
+def test_counting_tokens_on_every_rank_is_caught(results):
+    """Summed over all 4 ranks, each token counts once per tensor-parallel rank: the step's gradient halves."""
+    got, ref = results["dp2_tp2_counted_on_every_rank"], results["dp4"]
+    assert [s["num_tokens"] for s in got["steps"]] == [2 * s["num_tokens"] for s in ref["steps"]]
+    with pytest.raises(AssertionError):
+        assert_same_run(got, ref)
+    assert got["steps"][0]["grad_norm"] == pytest.approx(ref["steps"][0]["grad_norm"] / 2, rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["dp2_tp2_then_dp4", "dp4_then_dp2_tp2"])
+def test_a_checkpoint_moves_between_tensor_and_data_parallel(results, name):
+    """Model and AdamW state gathered from one layout after 2 steps and loaded into the other: the run goes on
+    as if uninterrupted."""
+    assert (results[name]["dp_size"], results[name]["tp_size"]) == ((4, 1) if name.endswith("dp4") else (2, 2))
+    assert_same_run(results[name], results["dp4"])
