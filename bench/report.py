@@ -503,9 +503,11 @@ def _load(runs: Sequence[Mapping[str, Any]]) -> Dict[str, Optional[float]]:
 def transformers_table(cases: Mapping[str, Mapping[str, Any]], groups: Mapping[str, Mapping[str, Any]],
                        group_order: Sequence[str], runs_by_case: Mapping[str, Sequence[Mapping[str, Any]]],
                        skip_steps: int) -> str:
-    """One row per case: per-step median tokens/s, ratio, peak memory, ratio, loss difference, load."""
+    """One row per case: per-step median tokens/s, ratios (also from each step's best time over the repeats,
+    :func:`bench.analysis.best_of_repeats_throughput`), peak memory, ratio, loss difference, load."""
     header = ["group", "implementation", "step time (s)", "non-padding tokens/s (median over steps)",
-              "× torchtune path (per repeat)", "peak mem (GiB)", "× torchtune path", "max rel. Δ loss",
+              "× torchtune path (per repeat)", "× from best step times", "peak mem (GiB)", "× torchtune path",
+              "max rel. Δ loss",
               "load average (1 min)", "other processes (cores)"]
     rows = []
     for gname in group_order:
@@ -523,9 +525,11 @@ def transformers_table(cases: Mapping[str, Mapping[str, Any]], groups: Mapping[s
             load = _load(runs)
             rows.append([
                 g["label"], VARIANT_LABELS[variant], fmt_median_spread(s["step_seconds"]),
-                fmt(_median_step_tps(runs, skip_steps)), ratio, fmt(s["peak_memory_gib"]["median"], ".2f"),
+                fmt(_median_step_tps(runs, skip_steps)), ratio,
+                "1" if variant == TORCHTUNE_PATH else fmt(comp.get("best_ratio"), ".3f"),
+                fmt(s["peak_memory_gib"]["median"], ".2f"),
                 "1" if variant == TORCHTUNE_PATH else fmt(comp.get("memory_ratio"), ".3f"),
                 "—" if variant == TORCHTUNE_PATH else fmt(comp.get("max_rel_diff_loss"), ".1e"),
                 fmt(load["load"], ".2f"), fmt(load["foreign"], ".2f"),
             ])
-    return markdown_table(header, rows, "ll" + "r" * 8)
+    return markdown_table(header, rows, "ll" + "r" * 9)
