@@ -193,7 +193,8 @@ def _wrap_collate(probe: Probe, pad_to: Optional[int] = None) -> None:
 
 
 def _install_ours(probe: Probe) -> None:
-    from torchtune_ext import accounting, data, metrics, step
+    from torchtune_ext import accounting, data, step
+    from torchtune_ext.metrics import MetricLogger, reporter
 
     if hasattr(data, "padded_collate_sft"):  # bound at import time
         data.padded_collate_sft = sys.modules["torchtune.data"].padded_collate_sft
@@ -206,17 +207,18 @@ def _install_ours(probe: Probe) -> None:
         return collated
 
     data.collate_as_pack = collate_as_pack
-    original_log = metrics.MetricLogger.log
+    original_log = MetricLogger.log
 
     def log(self, record):
         probe.step_end()
         return original_log(self, record)
 
-    metrics.MetricLogger.log = probe.timed("logging", log)
-    # The recipes reset the peak at every step; here it is measured from the first micro-batch.
-    metrics.reset_peak_memory = lambda device: None
-    if hasattr(metrics, "step_record"):
-        metrics.step_record = probe.timed("step_record", metrics.step_record)
+    MetricLogger.log = probe.timed("logging", log)
+    # The recipes reset the peak at every step (the step reporter does); here it is measured from the first
+    # micro-batch.
+    reporter.reset_peak_memory = lambda device: None
+    if hasattr(reporter, "step_record"):
+        reporter.step_record = probe.timed("step_record", reporter.step_record)
     accounting.count_trainable_tokens = probe.timed("count_tokens", accounting.count_trainable_tokens)
     step.prepare_micro_batch = probe.timed("prepare", step.prepare_micro_batch)
     accounting.global_sum = _peer_wait_then(probe, probe.timed("global_sum", accounting.global_sum))

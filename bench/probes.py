@@ -131,8 +131,8 @@ def grad_norm_cost(repeats: int = 7) -> Dict[str, Any]:
     shapes (scale 1e-3); ``max_norm`` large so nothing is clipped. Median of
     ``repeats`` calls; error relative to an exact float64 norm.
     """
+    from torchtune_ext.grad_norm import grad_norm_and_clip
     from torchtune_ext.models import smollm2_135m
-    from torchtune_ext.step import grad_norm_and_clip
 
     torch.manual_seed(0)
     params = list(smollm2_135m().parameters())

@@ -7,8 +7,17 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from bench import analysis
 from bench.analysis import GIB, fmt, fmt_median_spread, markdown_table
-from bench.cases import (BUDGET_VARIANTS, HF_TRAINER, OURS_EACH, OURS_ONCE, OURS_ONCE_DEVICE, OURS_UNGROUPED,
-                         TRANSFORMERS_VARIANTS, UPSTREAM, VARIANT_LABELS)
+from bench.cases import (
+    BUDGET_VARIANTS,
+    HF_TRAINER,
+    OURS_EACH,
+    OURS_ONCE,
+    OURS_ONCE_DEVICE,
+    OURS_UNGROUPED,
+    TRANSFORMERS_VARIANTS,
+    UPSTREAM,
+    VARIANT_LABELS,
+)
 
 ACCOUNTING_PIECES = ("count_tokens", "global_sum", "step_record", "logging")
 

@@ -104,3 +104,27 @@ def family_assets(tmp_path_factory):
         return cache[name]
 
     return get
+
+
+@pytest.fixture
+def cfg(tmp_path):
+    """The smallest valid recipe config: tiny model, files that exist (their content is not read).
+
+    Not validated yet; ``validate(cfg)`` fills in the defaults.
+    """
+    from omegaconf import OmegaConf
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "model.safetensors").write_bytes(b"x")
+    data = tmp_path / "data.json"
+    data.write_text("[]")
+    return OmegaConf.create({
+        "output_dir": str(tmp_path / "out"),
+        "model": {"_component_": "torchtune_ext.models.tiny_llama"},
+        "tokenizer": {"_component_": "torchtune_ext.tokenizer.smollm2_tokenizer", "path": str(ckpt)},
+        "dataset": {"_component_": "torchtune.datasets.alpaca_dataset", "source": "json", "data_files": str(data)},
+        "checkpointer": {"_component_": "torchtune.training.FullModelHFCheckpointer", "checkpoint_dir": str(ckpt),
+                         "checkpoint_files": ["model.safetensors"]},
+        "optimizer": {"_component_": "torch.optim.AdamW"},
+    })

@@ -27,7 +27,7 @@ import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 from safetensors.torch import save_file
@@ -231,9 +231,8 @@ def model_config(family: Family, lora: Optional[Dict[str, Any]] = None) -> Dict[
 
 
 def build(family: Family, seed: int = 0) -> torch.nn.Module:
-    from torchtune import config
-
     from omegaconf import OmegaConf
+    from torchtune import config
 
     torch.manual_seed(seed)
     model = config.instantiate(OmegaConf.create(model_config(family)))

@@ -1,8 +1,10 @@
 """Shared test utilities: tiny models, synthetic samples, collation."""
 
 import copy
+import errno
 import gc
 import json
+import os
 from typing import Dict, List, Sequence
 
 import torch
@@ -315,3 +317,29 @@ def freeze_import_time_objects() -> None:
 
     gc.collect()
     gc.freeze()
+
+
+def damage_same_size(file):
+    """Zero the middle half of a file: the size stays, so a size check cannot tell."""
+    data = bytearray(file.read_bytes())
+    quarter = len(data) // 4
+    data[quarter:3 * quarter] = bytes(2 * quarter)
+    assert data != file.read_bytes()
+    file.write_bytes(bytes(data))
+
+
+def deny(monkeypatch, folder):
+    """Make ``folder`` unreadable: chmod 000 as a user; as root (which reads anything) the stat of its entries
+    fails as it would for a user."""
+    if os.geteuid() != 0:
+        folder.chmod(0)
+        monkeypatch.undo = lambda real=monkeypatch.undo: (folder.chmod(0o755), real())
+        return
+    real_stat = os.stat
+
+    def stat(path, *args, **kwargs):
+        if str(path).startswith(str(folder) + os.sep):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", stat)

@@ -8,10 +8,10 @@ tokenizer files (the checkpointer copies them). Nothing is downloaded.
 
 import json
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
 from helpers import VOCAB
 
@@ -36,6 +36,35 @@ FAMILIES: Dict[str, Dict[str, Any]] = {
                     layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=False),
 }
 
+# Image-text folders (text_config + vision_config) whose language model trains alone (text_only): the text
+# part at the size of COMMON, a one-layer vision tower. Gemma 3 without a soft cap, as Google's checkpoints.
+_VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+               patch_size=14)
+IMAGE_TEXT: Dict[str, Dict[str, Any]] = {
+    # tied embeddings; one sliding-window layer with a window shorter than the samples
+    "gemma3": dict(text_config=dict(final_logit_softcapping=None, sliding_window=4, query_pre_attn_scalar=8,
+                                    layer_types=["sliding_attention", "full_attention"]),
+                   vision_config=_VISION, mm_tokens_per_image=4, image_token_index=127, boi_token_index=125,
+                   eoi_token_index=126),
+    # the language model is a whole Llama4ForCausalLM inside (language_model.lm_head); experts; chunked attention
+    "llama4": dict(text_config=dict(intermediate_size_mlp=64, num_local_experts=2,
+                                    num_experts_per_tok=1, interleave_moe_layer_step=1, attention_chunk_size=8,
+                                    no_rope_layers=[1, 0], moe_layers=[0, 1], tie_word_embeddings=False),
+                   vision_config=dict(_VISION, vision_output_dim=16, projector_input_dim=16, projector_output_dim=32,
+                                      rope_theta=10000)),
+    # the outer config ties (transformers' default) while the text config does not: the model ties
+    "mistral3": dict(text_config=dict(model_type="mistral", sliding_window=None, tie_word_embeddings=False),
+                     vision_config=dict(_VISION, model_type="pixtral", head_dim=8)),
+    # linear-attention (Gated DeltaNet) and full-attention layers; multimodal RoPE
+    "qwen3_5": dict(text_config=dict(layer_types=["linear_attention", "full_attention"],
+                                     linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=8,
+                                     linear_value_head_dim=8),
+                    vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                                       patch_size=14)),
+}
+# An image-text folder's image processor settings (a stand-in): a text-only saved step leaves them out.
+IMAGE_PROCESSOR_FILES = {"preprocessor_config.json": json.dumps({"image_processor_type": "stand-in"})}
+
 TOKENIZER_FILES = {
     "tokenizer_config.json": json.dumps({"model_max_length": 256, "chat_template": "{{ messages }}"}),
     "special_tokens_map.json": json.dumps({"eos_token": "</s>"}),
@@ -59,24 +88,54 @@ def write_tiny(name: str, folder: Path, seed: int = 0, **overrides) -> Path:
     return folder
 
 
+def image_text_config(name: str, text: Optional[Dict[str, Any]] = None, **overrides):
+    """A tiny image-text ``name`` model's config (a key of :data:`IMAGE_TEXT`); ``text`` overrides its text part."""
+    spec = {**IMAGE_TEXT[name], **overrides}
+    spec["text_config"] = {**COMMON, **spec["text_config"], **(text or {})}
+    return AutoConfig.for_model(name, **spec)
+
+
+def write_tiny_image_text(name: str, folder: Path, seed: int = 0, text: Optional[Dict[str, Any]] = None,
+                          **overrides) -> Path:
+    """Write a tiny random image-text ``name`` model (a key of :data:`IMAGE_TEXT`) as an HF folder, with
+    tokenizer and image processor stand-ins; returns ``folder``."""
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(image_text_config(name, text, **overrides), dtype=torch.float32)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(folder))
+    for file, content in {**TOKENIZER_FILES, **IMAGE_PROCESSOR_FILES}.items():
+        (folder / file).write_text(content)
+    return folder
+
+
 class TinyFolders:
     """``folders(name)`` -> the folder of a tiny ``name`` model under ``root``, written on first use."""
 
     def __init__(self, root: Path):
         self.root = root
-        self._written: Dict[str, Path] = {}
+        self._written: Dict[Any, Path] = {}
 
     def __call__(self, name: str) -> Path:
         if name not in self._written:  # a seed per family: llama and mistral have the same shapes
             self._written[name] = write_tiny(name, self.root / name, seed=sorted(FAMILIES).index(name))
         return self._written[name]
 
+    def image_text(self, name: str) -> Path:
+        """The folder of a tiny image-text ``name`` model (a key of :data:`IMAGE_TEXT`), written on first use."""
+        if ("image_text", name) not in self._written:
+            self._written[("image_text", name)] = write_tiny_image_text(
+                name, self.root / f"{name}_image_text", seed=sorted(IMAGE_TEXT).index(name))
+        return self._written[("image_text", name)]
+
 
 def build_loaded(folder: Path, **kwargs):
-    """The recipes' flow: ``causal_lm`` on the meta device (fp32), the checkpointer's state dict loaded into it."""
+    """The recipes' flow: ``causal_lm`` on the meta device (fp32), the checkpointer's state dict loaded into it
+    (``text_only`` goes to both, as configs/hf/*.yaml pass it)."""
     from torchtune_ext.hf import HFCheckpointer, causal_lm, load_state
 
-    state = HFCheckpointer(folder, folder.parent / f"{folder.name}_unused_out").load_checkpoint()["model"]
+    checkpointer = HFCheckpointer(folder, folder.parent / f"{folder.name}_unused_out",
+                                  text_only=kwargs.get("text_only", False))
+    state = checkpointer.load_checkpoint()["model"]
     with torch.device("meta"):
         model = causal_lm(folder, dtype="fp32", **kwargs)
     load_state(model, state, torch.device("cpu"))

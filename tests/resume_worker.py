@@ -1,4 +1,4 @@
-"""torchrun worker: many recipe runs in one launch (tests/test_resume_chain.py).
+"""torchrun worker: many recipe runs in one launch (tests/recipes/test_resume_chain.py).
 
     torchrun --nproc_per_node 2 tests/resume_worker.py SETUP_YAML JOBS_JSON
 
@@ -25,8 +25,7 @@ import resume_jobs
 from helpers import freeze_import_time_objects
 from torchtune_ext import distributed
 from torchtune_ext.config import ConfigError
-from torchtune_ext.run_lock import OutputDirLock, check_not_in_use
-
+from torchtune_ext.control.run_lock import OutputDirLock, check_not_in_use
 
 # A native crash prints every thread's Python stack (rank 0 of this launch once died of
 # SIGSEGV under a loaded machine, with nothing to show where).

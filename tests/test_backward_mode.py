@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from helpers import IGNORE, collate, instruct_samples, rel_diff, tiny_model
-from test_config import cfg  # noqa: F401 (fixture)
 from torchtune_ext.config import ConfigError, validate
 from torchtune_ext.loss import SummedCrossEntropyLoss
 from torchtune_ext.memory import MemoryGuard, MicroBatchShape

@@ -10,9 +10,10 @@ from omegaconf import OmegaConf
 
 from torchtune_ext.checkpoint import CheckpointManager
 from torchtune_ext.config import ConfigError, UserError, validate
+from torchtune_ext.control.command_line import check_command_line
 from torchtune_ext.data import build_dataset
-from torchtune_ext.launch import check_command_line
 from torchtune_ext.preflight import check_components
+from torchtune_ext.resume import check_resume_point
 
 IGNORE = -100
 
@@ -208,12 +209,13 @@ def test_resume_refuses_a_later_folder_without_manifest(tiny_run, caplog):
     for name in ("step_1", "step_2", "step_5"):
         (out / name).mkdir(parents=True)
     (out / "step_2" / "checkpoint.json").write_text(json.dumps({"step": 2, "files": {}}))  # the only complete one
+    cfg = validate(cfg)
     cfg.resume_from_checkpoint = True
     with pytest.raises(ConfigError, match="'output_dir'.*step_5' has no checkpoint.json.*save over it"):
-        validate(cfg)
+        check_resume_point(cfg)
     (out / "step_5").rmdir()
     with caplog.at_level(logging.WARNING):
-        validate(cfg)
+        check_resume_point(cfg)
     assert "step_1' has no checkpoint.json" in caplog.text
 
 
@@ -312,11 +314,13 @@ def test_launcher_exits_quietly_when_the_workers_reported(tmp_path, capsys, monk
                                                          launcher_signal_handlers):
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from torchtune_ext.launch import OUTCOME_FILE_ENV, quiet_reported_failures
+    from torchtune_ext.control.launcher import quiet_reported_failures
+    from torchtune_ext.errors import OUTCOME_FILE_ENV
 
     monkeypatch.setenv(OUTCOME_FILE_ENV, "")  # restored afterwards: the launcher sets it for its workers
 
-    error = ChildFailedError("recipe", {r: child_failure(tmp_path, r, code, msg) for r, (code, msg) in failures.items()})
+    error = ChildFailedError("recipe", {r: child_failure(tmp_path, r, code, msg)
+                                        for r, (code, msg) in failures.items()})
 
     def run(args):
         raise error
@@ -343,24 +347,25 @@ def test_launcher_signalled_too_exits_with_rank0s_recorded_status(monkeypatch, c
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    from torchtune_ext import launch
+    from torchtune_ext.control import exits, launcher
+    from torchtune_ext.errors import OUTCOME_FILE_ENV
 
     monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv(launch.OUTCOME_FILE_ENV, "")  # restored afterwards: the launcher sets it for its workers
+    monkeypatch.setenv(OUTCOME_FILE_ENV, "")  # restored afterwards: the launcher sets it for its workers
 
     def run(args):
         if recorded is not None:
-            launch.record_outcome(recorded)  # rank 0 of a worker, after its line (same environment here)
+            exits.record_outcome(recorded)  # rank 0 of a worker, after its line (same environment here)
         raise SignalException("got signal: 15", sigval=15)
 
     with pytest.raises(SystemExit) as exit_info:
-        launch.quiet_reported_failures(run)(None)
+        launcher.quiet_reported_failures(run)(None)
     assert exit_info.value.code == (143 if recorded is None else recorded)
     assert capsys.readouterr().err == ("tune run: stopped by SIGTERM (exit status 143)\n" if recorded is None else "")
     import signal  # a scheduler's further signals while the launcher exits: no SignalException traceback each
 
     assert signal.getsignal(signal.SIGTERM) == signal.getsignal(signal.SIGINT) == signal.SIG_IGN
-    assert not os.path.exists(os.environ[launch.OUTCOME_FILE_ENV])  # the launcher leaves nothing behind
+    assert not os.path.exists(os.environ[OUTCOME_FILE_ENV])  # the launcher leaves nothing behind
 
 
 def test_the_error_line_comes_after_the_wandb_summary_and_the_run_is_marked_failed(tmp_path):
@@ -377,13 +382,13 @@ def test_the_error_line_comes_after_the_wandb_summary_and_the_run_is_marked_fail
 
     ends = {  # an expected error (74), and a stop on a signal (75: the recipe then closes its logger)
         74: "report_and_exit('error: the line to read last', 74)\n",
-        75: ("import torch\nfrom torchtune_ext.preemption import GracefulStop\n"
+        75: ("import torch\nfrom torchtune_ext.control.preemption import GracefulStop\n"
              "sys.exit(GracefulStop(torch.device('cpu')).stop(sys.argv[1], 5))\n"),
     }
     for status, end in ends.items():
         folder = tmp_path / str(status)
         script = ("import sys, wandb\n"
-                  "from torchtune_ext.launch import report_and_exit\n"
+                  "from torchtune_ext.control.exits import report_and_exit\n"
                   "wandb.init(mode='offline', dir=sys.argv[1], project='p')\n"
                   "wandb.log({'loss': 1.0})\n" + end)
         proc = subprocess.run([sys.executable, "-c", script, str(folder)], cwd=REPO_ROOT, stdout=subprocess.PIPE,
@@ -450,6 +455,7 @@ def test_packed_documents_with_nothing_to_learn_are_counted_but_not_split_fragme
                                              "path; what follows the last '.' is read as its extension); the "
                                              "recipes here: recipes/full_finetune_distributed.py"]),
 ], ids=["misspelled", "absolute", "dotted"])
+@pytest.mark.slow
 def test_a_recipe_path_tune_run_cannot_import_is_a_command_line_error(recipe, words):
     """tune run makes a module name of the path: without the check, a misspelled or absolute path is an
     ImportError traceback with exit status 1."""
@@ -467,6 +473,7 @@ def test_a_recipe_path_tune_run_cannot_import_is_a_command_line_error(recipe, wo
         assert word in proc.stderr
 
 
+@pytest.mark.slow
 def test_config_flag_without_a_file_is_a_command_line_error():
     """tune run reads the word after --config: without one it failed with an IndexError traceback, exit status 1."""
     from helpers import run_tune
@@ -478,6 +485,7 @@ def test_config_flag_without_a_file_is_a_command_line_error():
                                                         "path or the name of a torchtune config)")
 
 
+@pytest.mark.slow
 def test_a_recipe_path_starting_with_dot_slash_runs(tmp_path):
     """tune run made the module name '.recipes.full_finetune_single_device' of './recipes/...py': an ImportError
     (relative module name) traceback. An output_dir under a file makes the recipe itself stop at once: its one
@@ -513,6 +521,7 @@ def test_a_recipe_path_starting_with_dot_slash_reaches_torchrun_as_a_module_name
     assert [(args.module, args.training_script) for args in launched] == [(True, "recipes.full_finetune_distributed")]
 
 
+@pytest.mark.slow
 def test_torchtune_recipe_by_name_runs_upstreams_after_a_note_naming_ours(tmp_path):
     """A torchtune user's habit, ``tune run full_finetune_single_device``, runs torchtune's recipe, which knows
     none of this repository's config keys: it still runs (upstream recipes by name keep working), after a note.
@@ -539,7 +548,7 @@ def test_the_last_line_comes_after_the_progress_bars_final_redraw(capsys):
 
     from tqdm import tqdm
 
-    from torchtune_ext.launch import write_line
+    from torchtune_ext.control.exits import write_line
 
     bar = tqdm(total=4, file=sys.stderr)
     bar.update(1)
@@ -553,7 +562,8 @@ def test_torchrun_closing_the_other_workers_is_not_logged_after_rank0s_last_line
     warning for the workers still running would follow that line: it is dropped then, and only then."""
     import logging
 
-    from torchtune_ext import launch
+    from torchtune_ext.control import exits, launcher
+    from torchtune_ext.errors import OUTCOME_FILE_ENV
 
     records = [logging.LogRecord("torch.distributed.elastic.multiprocessing.api", logging.WARNING, "api.py", 1,
                                  "Sending process %s closing signal %s", (1234, "SIGTERM"), None),
@@ -561,15 +571,16 @@ def test_torchrun_closing_the_other_workers_is_not_logged_after_rank0s_last_line
                logging.LogRecord("torch.distributed.elastic.agent.server.api", logging.WARNING, "api.py", 1,
                                  "Received %s death signal, shutting down workers", (15,), None)]
     outcome = tmp_path / "outcome"
-    monkeypatch.setenv(launch.OUTCOME_FILE_ENV, str(outcome))
+    monkeypatch.setenv(OUTCOME_FILE_ENV, str(outcome))
     monkeypatch.setenv("RANK", "0")
     for record in records:
-        assert launch._drop_reported_failure_log(record)  # kept: no outcome recorded (e.g. a crash)
-    launch.record_outcome(0)
+        assert launcher._drop_reported_failure_log(record)  # kept: no outcome recorded (e.g. a crash)
+    exits.record_outcome(0)
     for record in records:
-        assert not launch._drop_reported_failure_log(record)
+        assert not launcher._drop_reported_failure_log(record)
 
 
+@pytest.mark.slow
 def test_config_given_with_an_equals_sign_is_accepted_by_tune_run(tmp_path):
     """argparse's --config=FILE form: torchtune's tune run looks for a separate '--config' and says it is missing.
     A missing file shows the name reached the recipe's own check (one line, exit 2), also a packaged name."""
@@ -585,10 +596,10 @@ def test_config_given_with_an_equals_sign_is_accepted_by_tune_run(tmp_path):
         assert words in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow
 def test_wandb_that_cannot_start_under_torchrun_stops_every_rank_with_one_line(tmp_path):
     """Only rank 0 starts W&B: when it cannot (mode=online, no API key, no terminal), the other ranks must not go on
     into training and fail in a collective (a traceback per rank): exit 2, rank 0's line last, nothing left."""
-    import os
     import subprocess
 
     from omegaconf import OmegaConf
@@ -613,6 +624,7 @@ def test_wandb_that_cannot_start_under_torchrun_stops_every_rank_with_one_line(t
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_wandb_server_that_cannot_be_reached_leaves_the_error_line_last(tmp_path):
     """An API key but no server (no network, a wrong base_url): W&B's service printed 'Find logs at: <folder>' at
     exit, after the error line, naming a folder the rollback removed. It is ended before the line now."""
@@ -674,7 +686,7 @@ def test_an_unknown_key_in_the_yaml_file_is_a_warning_and_named_again_at_the_end
     assert cfg.batch_size == 3
 
     def warned():
-        return [r.getMessage() for r in caplog.records if r.name == "torchtune_ext.config"]
+        return [r.getMessage() for r in caplog.records if r.name.startswith("torchtune_ext.config")]
 
     assert warned() == ["Unknown config key 'enable_kv_cache' is ignored.",
                       "Unknown config key 'optimzer' is ignored. Did you mean 'optimizer'?"]
@@ -698,6 +710,7 @@ def test_command_line_keys_are_those_of_the_overrides(yaml_file):
                                "optimzer.lr=1"]) == ["batch_size", "model.embed_dim", "optimzer.lr"]
 
 
+@pytest.mark.slow
 def test_a_misspelt_override_ends_tune_run_with_one_line_before_anything_loads(tiny_run, tmp_path):
     """The issue's command: exit 2, one line, nothing written (the output folder is not even created)."""
     from helpers import run_tune

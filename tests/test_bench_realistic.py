@@ -8,8 +8,21 @@ import torch
 
 from bench import analysis, report
 from bench.__main__ import build_profile, main, parse_args
-from bench.cases import (HF_TRAINER, OURS_BUDGET, OURS_EACH, OURS_ONCE, OURS_ONCE_DEVICE, OURS_PACKED, OURS_PACKED_2048,
-                         OURS_UNGROUPED, PROFILES, UPSTREAM, Case, command, run_overrides)
+from bench.cases import (
+    HF_TRAINER,
+    OURS_BUDGET,
+    OURS_EACH,
+    OURS_ONCE,
+    OURS_ONCE_DEVICE,
+    OURS_PACKED,
+    OURS_PACKED_2048,
+    OURS_UNGROUPED,
+    PROFILES,
+    UPSTREAM,
+    Case,
+    command,
+    run_overrides,
+)
 from bench.launch import Probe
 
 OUT = Path("/tmp/out")
@@ -63,7 +76,8 @@ def test_variant_overrides():
     assert _value(once, "group_by_length") is None and _value(once, "backward_once_per_step") == "true"
     assert _value(run_overrides(*_case("full_1dev_ga4_b8", OURS_EACH), OUT), "backward_once_per_step") == "false"
     device = run_overrides(*_case("full_1dev_ga4_b8", OURS_ONCE_DEVICE), OUT)
-    assert _value(device, "once_per_step_memory_limit") == "device" and _value(once, "once_per_step_memory_limit") is None
+    assert _value(device, "once_per_step_memory_limit") == "device"
+    assert _value(once, "once_per_step_memory_limit") is None
     up = run_overrides(*_case("full_2proc_ga4_b4", UPSTREAM), OUT)
     assert _value(up, "batch_size") == "4" and _value(up, "group_by_length") is None
     b1 = run_overrides(*_case("full_1dev_ga4_b1", OURS_ONCE), OUT)

@@ -10,19 +10,20 @@ import torch
 from omegaconf import OmegaConf
 
 from fake_checkpointer import FakeCheckpointer
-from helpers import tiny_lora_model, tiny_model
-from torchtune_ext import checkpoint
+from helpers import damage_same_size, deny, tiny_lora_model, tiny_model
 from torchtune_ext.checkpoint import (
     MANIFEST,
     CheckpointManager,
     CheckpointSaveError,
     Progress,
+    discovery,
     expected_checkpoint_bytes,
     latest_checkpoint,
     list_checkpoints,
     load_recipe_state,
     tensor_bytes,
     verify_checkpoint,
+    writer,
 )
 from torchtune_ext.config import ConfigError
 
@@ -202,7 +203,7 @@ def test_a_manifest_listing_itself_still_verifies(manager):
 
 def test_not_enough_space_is_refused_before_writing(manager, monkeypatch):
     first = save(manager, 1)
-    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: DiskUsage(10**9, 10**9 - 1000, 1000))
+    monkeypatch.setattr(writer.shutil, "disk_usage", lambda path: DiskUsage(10**9, 10**9 - 1000, 1000))
     with pytest.raises(CheckpointSaveError, match="not enough free disk space to save step_2 in output_dir "
                        ".*: it needs about 1 MiB, 1000 B are free; nothing was written and .*step_1 is intact: "
                        "free some space, then continue with resume_from_checkpoint=true$"):
@@ -212,7 +213,7 @@ def test_not_enough_space_is_refused_before_writing(manager, monkeypatch):
 
 def test_a_failed_first_save_does_not_suggest_resuming(manager, monkeypatch):
     """No checkpoint to resume from yet: the message says to start again, not resume_from_checkpoint=true."""
-    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: DiskUsage(10**9, 10**9 - 1000, 1000))
+    monkeypatch.setattr(writer.shutil, "disk_usage", lambda path: DiskUsage(10**9, 10**9 - 1000, 1000))
     with pytest.raises(CheckpointSaveError) as err:
         save(manager, 1)
     assert str(err.value).endswith("nothing was written and no checkpoint of this run exists yet: free some "
@@ -225,7 +226,7 @@ def test_a_full_disk_with_older_checkpoints_says_they_can_go(manager, monkeypatc
     keep_last_n_checkpoints frees nothing (test above); with two, the older one can be deleted."""
     save(manager, 1)
     save(manager, 2)
-    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: DiskUsage(10**9, 10**9 - 1000, 1000))
+    monkeypatch.setattr(writer.shutil, "disk_usage", lambda path: DiskUsage(10**9, 10**9 - 1000, 1000))
     with pytest.raises(CheckpointSaveError) as err:
         save(manager, 3)
     assert ("free some space (resuming needs only the newest checkpoint: the older one, step_1, can be deleted; "
@@ -245,14 +246,15 @@ def test_a_file_where_the_staging_folder_goes(manager, tmp_path):
     assert manager.staging.read_text() == "a user's file" and list_checkpoints(str(manager.output_dir)) == [first]
     cfg = OmegaConf.create({"_component_": "fake_checkpointer.FakeCheckpointer",
                             "checkpoint_dir": str(tmp_path / "base"), "output_dir": str(manager.output_dir)})
-    with pytest.raises(ConfigError, match=r"^config key 'output_dir': '.*\.staging' is a file, but saves stage each checkpoint"):
+    with pytest.raises(ConfigError,
+                       match=r"^config key 'output_dir': '.*\.staging' is a file, but saves stage each checkpoint"):
         CheckpointManager(cfg, str(manager.output_dir)).load()
 
 
 @pytest.mark.parametrize("where", ["clearing staging", "moving into place", "syncing"])
 def test_a_failure_around_the_write_is_a_failed_save(manager, monkeypatch, where):
     """The steps before and after the checkpointer writes fail like the write itself: one error, exit 74."""
-    first = save(manager, 1)
+    save(manager, 1)  # the checkpoint a failed save must leave intact
     broken = OSError(errno.EIO, "Input/output error")
 
     def fail(*args, **kwargs):
@@ -260,15 +262,15 @@ def test_a_failure_around_the_write_is_a_failed_save(manager, monkeypatch, where
 
     if where == "clearing staging":
         manager.staging.mkdir()
-        monkeypatch.setattr(checkpoint.shutil, "rmtree", fail)
+        monkeypatch.setattr(writer.shutil, "rmtree", fail)
         expected = r"saving step_2 in output_dir .* failed before writing \(OSError: .*Input/output error\): nothing"
     elif where == "moving into place":
-        real_replace = checkpoint.os.replace
-        monkeypatch.setattr(checkpoint.os, "replace",
+        real_replace = writer.os.replace
+        monkeypatch.setattr(writer.os, "replace",
                             lambda src, dst: fail() if str(dst).endswith("step_2") else real_replace(src, dst))
         expected = r"saving step_2 in .* failed when moving it into place \(OSError: .*\): the partial checkpoint was"
     else:
-        monkeypatch.setattr(checkpoint, "_fsync_dir", fail)
+        monkeypatch.setattr(writer, "_fsync_dir", fail)
         expected = (r"saving step_2 in .* failed: the folder could not be synced to disk \(OSError: .*\); .*step_2 "
                     "is complete but may not survive a crash of the machine")
     with pytest.raises(CheckpointSaveError, match=expected) as err:
@@ -279,21 +281,22 @@ def test_a_failure_around_the_write_is_a_failed_save(manager, monkeypatch, where
     assert str(err.value).endswith("fix the cause, then continue with resume_from_checkpoint=true")
     assert where == "syncing" or str(err.value).endswith(f"{newest} is intact: fix the cause, then continue with "
                                                          "resume_from_checkpoint=true")
-    assert latest_checkpoint(str(manager.output_dir)) == newest and (where == "clearing staging") == manager.staging.exists()
+    assert latest_checkpoint(str(manager.output_dir)) == newest
+    assert (where == "clearing staging") == manager.staging.exists()
 
 
 def test_an_old_checkpoint_that_cannot_be_deleted_is_a_warning(manager, monkeypatch, caplog):
     """The new checkpoint is complete: training goes on, and the user is told what to delete."""
     first = save(manager, 1)
     save(manager, 2)
-    real_rmtree = checkpoint.shutil.rmtree
+    real_rmtree = writer.shutil.rmtree
 
     def rmtree(path, *args, **kwargs):
         if str(path) == str(first):
             raise PermissionError(errno.EACCES, "Permission denied", str(path))
         return real_rmtree(path, *args, **kwargs)
 
-    monkeypatch.setattr(checkpoint.shutil, "rmtree", rmtree)
+    monkeypatch.setattr(writer.shutil, "rmtree", rmtree)
     with caplog.at_level("INFO"):
         third = save(manager, 3)
     assert list_checkpoints(str(manager.output_dir)) == [first, manager.output_dir / "step_2", third]
@@ -307,7 +310,7 @@ def test_an_old_checkpoint_deleted_in_part_is_not_called_a_checkpoint(manager, m
     first = save(manager, 1)
     save(manager, 2)
 
-    real_rmtree = checkpoint.shutil.rmtree
+    real_rmtree = writer.shutil.rmtree
 
     def rmtree(path, *args, **kwargs):  # as with an immutable file: the manifest goes, then a file refuses
         if str(path) != str(first):
@@ -315,7 +318,7 @@ def test_an_old_checkpoint_deleted_in_part_is_not_called_a_checkpoint(manager, m
         (first / "checkpoint.json").unlink()
         raise PermissionError(errno.EPERM, "Operation not permitted", "config.json")
 
-    monkeypatch.setattr(checkpoint.shutil, "rmtree", rmtree)
+    monkeypatch.setattr(writer.shutil, "rmtree", rmtree)
     with caplog.at_level("WARNING"):
         save(manager, 3)
     assert (f"the old checkpoint '{first}' was deleted only in part (its checkpoint.json is gone: what is left is "
@@ -335,7 +338,7 @@ def test_disk_filling_up_during_a_save(manager, monkeypatch, failure):
         calls.append(path)
         return DiskUsage(10**9, 0, 10**9) if len(calls) == 1 else DiskUsage(10**9, 10**9, 0)
 
-    monkeypatch.setattr(checkpoint.shutil, "disk_usage", disk_usage)
+    monkeypatch.setattr(writer.shutil, "disk_usage", disk_usage)
     FakeCheckpointer.fail_next_save = failure
     with pytest.raises(CheckpointSaveError, match="the disk filled up while saving step_2 in .*: it needs about 1 MiB, "
                        ".* are free now; the partial checkpoint was removed and .*step_1 is intact") as err:
@@ -345,7 +348,8 @@ def test_disk_filling_up_during_a_save(manager, monkeypatch, failure):
 
 
 @pytest.mark.parametrize("failure", [OSError(errno.EFBIG, "File too large"),
-                                     RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534"),
+                                     RuntimeError("[enforce fail at inline_container.cc:672] . "
+                                                  "unexpected pos 576 vs 534"),
                                      RuntimeError("Error while serializing: I/O error: File too large (os error 27)")],
                          ids=["EFBIG", "torch.save", "safetensors"])
 def test_a_failed_write_is_one_error_naming_the_checkpoint(manager, failure):
@@ -408,7 +412,8 @@ def test_expected_checkpoint_bytes_covers_what_is_written(kind):
         written = tensor_bytes(state)
     else:
         adapter = {k: v for k, v in state.items() if "lora" in k}
-        written = 2 * tensor_bytes(adapter) + (0 if kind.endswith("only") else tensor_bytes(state) - tensor_bytes(adapter))
+        merged = 0 if kind.endswith("only") else tensor_bytes(state) - tensor_bytes(adapter)
+        written = 2 * tensor_bytes(adapter) + merged
     written += tensor_bytes(optimizer.state_dict())
     estimate = expected_checkpoint_bytes(model, optimizer, lora=kind != "full", adapter_only=kind.endswith("only"))
     assert written <= estimate <= written + 100 * 2**10 + 256 * len(state)
@@ -419,8 +424,8 @@ def test_start_up_warning_suggests_lowering_keep_only_where_it_helps(manager, mo
     """With keep_last_n_checkpoints=1 two checkpoints are on disk at times anyway (the new one is complete
     before the old one goes): lowering it is not possible, so only freeing space is suggested."""
     manager.keep_last_n = keep
-    monkeypatch.setattr(checkpoint, "planned_save_steps", lambda progress, loader, cfg: [2, 4, 6])
-    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: DiskUsage(10**9, 10**9 - 3 * 10**6, 3 * 10**6))
+    monkeypatch.setattr(writer, "planned_save_steps", lambda progress, loader, cfg: [2, 4, 6])
+    monkeypatch.setattr(writer.shutil, "disk_usage", lambda path: DiskUsage(10**9, 10**9 - 3 * 10**6, 3 * 10**6))
     with caplog.at_level("WARNING"):
         manager.announce(2 * 10**6, Progress(step=0, epoch=0, steps_in_epoch=0, seed=3), loader=None, cfg=None)
     warning = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
@@ -434,8 +439,8 @@ def test_start_up_warning_on_resume_counts_only_the_checkpoints_to_come(manager,
     needs room for one more, not two."""
     save(manager, 1)
     manager.keep_last_n = 1
-    monkeypatch.setattr(checkpoint, "planned_save_steps", lambda progress, loader, cfg: [2])
-    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: DiskUsage(10**9, 10**9 - 3 * 10**6, 3 * 10**6))
+    monkeypatch.setattr(writer, "planned_save_steps", lambda progress, loader, cfg: [2])
+    monkeypatch.setattr(writer.shutil, "disk_usage", lambda path: DiskUsage(10**9, 10**9 - 3 * 10**6, 3 * 10**6))
     with caplog.at_level("INFO"):
         manager.announce(2 * 10**6, Progress(step=1, epoch=0, steps_in_epoch=1, seed=3), loader=None, cfg=None)
     assert not [r for r in caplog.records if r.levelname == "WARNING"]
@@ -443,15 +448,6 @@ def test_start_up_warning_on_resume_counts_only_the_checkpoints_to_come(manager,
 
 
 # ------------------------------------------------------- content hashes (issue 33 F11)
-def damage_same_size(file):
-    """Zero the middle half of a file: the size stays, so a size check cannot tell."""
-    data = bytearray(file.read_bytes())
-    quarter = len(data) // 4
-    data[quarter:3 * quarter] = bytes(2 * quarter)
-    assert data != file.read_bytes()
-    file.write_bytes(bytes(data))
-
-
 def test_manifest_records_the_sha256_of_every_file(manager):
     import hashlib
 
@@ -490,44 +486,25 @@ def test_a_checkpoint_without_hashes_still_verifies(manager):
 
 def test_a_file_that_cannot_be_read_is_named(manager, monkeypatch):
     path = save(manager, 1)
-    real = checkpoint.file_sha256
+    real = discovery.file_sha256
 
     def unreadable(file):
         if file.name == "weights.bin":
             raise PermissionError(errno.EACCES, "Permission denied", str(file))
         return real(file)
 
-    monkeypatch.setattr(checkpoint, "file_sha256", unreadable)
+    monkeypatch.setattr(discovery, "file_sha256", unreadable)
     with pytest.raises(ConfigError, match=rf"checkpoint '{path}': 'weights.bin' cannot be read \(PermissionError"):
         verify_checkpoint(path, content=True)
 
 
 # --------------------------------------------- folders that cannot be read (issue 33 F4)
-def deny(monkeypatch, folder):
-    """Make ``folder`` unreadable: chmod 000 as a user; as root (which reads anything) the stat of its entries
-    fails as it would for a user."""
-    import os
-
-    if os.geteuid() != 0:
-        folder.chmod(0)
-        monkeypatch.undo = lambda real=monkeypatch.undo: (folder.chmod(0o755), real())
-        return
-    real_stat = os.stat
-
-    def stat(path, *args, **kwargs):
-        if str(path).startswith(str(folder) + os.sep):
-            raise PermissionError(errno.EACCES, "Permission denied", str(path))
-        return real_stat(path, *args, **kwargs)
-
-    monkeypatch.setattr(os, "stat", stat)
-
-
 @pytest.mark.parametrize("which", ["newest", "older"])
 def test_an_unreadable_step_folder_is_one_error_naming_it(manager, monkeypatch, which):
     first, second = save(manager, 1), save(manager, 2)
     folder = second if which == "newest" else first
     deny(monkeypatch, folder)
-    for listing in (list_checkpoints, latest_checkpoint, checkpoint.incomplete_checkpoints):
+    for listing in (list_checkpoints, latest_checkpoint, discovery.incomplete_checkpoints):
         with pytest.raises(ConfigError, match=rf"^config key 'output_dir': '{folder}' cannot be read "
                            r"\(PermissionError: .*Permission denied.*\), so the checkpoints in it cannot be listed "
                            rf"or checked; give this user read access to it \(e.g. chmod u\+rwx '{folder}'\) or move "
@@ -537,21 +514,21 @@ def test_an_unreadable_step_folder_is_one_error_naming_it(manager, monkeypatch, 
 
 def test_an_unreadable_output_dir_is_one_error_naming_it(manager, monkeypatch):
     save(manager, 1)
-    real = checkpoint.Path.iterdir
+    real = discovery.Path.iterdir
 
     def iterdir(path):
         if path == manager.output_dir:
             raise PermissionError(errno.EACCES, "Permission denied", str(path))
         return real(path)
 
-    monkeypatch.setattr(checkpoint.Path, "iterdir", iterdir)
+    monkeypatch.setattr(discovery.Path, "iterdir", iterdir)
     with pytest.raises(ConfigError, match=rf"^config key 'output_dir': '{manager.output_dir}' cannot be read"):
         latest_checkpoint(str(manager.output_dir))
 
 
 def test_an_old_folder_that_becomes_unreadable_during_training_only_stops_pruning(manager, monkeypatch, caplog):
     """Listing for pruning happens after the new checkpoint is complete: a warning, training goes on."""
-    first, second = save(manager, 1), save(manager, 2)
+    first, _ = save(manager, 1), save(manager, 2)
     deny(monkeypatch, first)
     with caplog.at_level("WARNING"):
         third = save(manager, 3)

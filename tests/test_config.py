@@ -8,24 +8,6 @@ from omegaconf import OmegaConf
 from torchtune_ext.config import COMMON_KEYS, ConfigError, validate
 
 
-@pytest.fixture
-def cfg(tmp_path):
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    (ckpt / "model.safetensors").write_bytes(b"x")
-    data = tmp_path / "data.json"
-    data.write_text("[]")
-    return OmegaConf.create({
-        "output_dir": str(tmp_path / "out"),
-        "model": {"_component_": "torchtune_ext.models.tiny_llama"},
-        "tokenizer": {"_component_": "torchtune_ext.tokenizer.smollm2_tokenizer", "path": str(ckpt)},
-        "dataset": {"_component_": "torchtune.datasets.alpaca_dataset", "source": "json", "data_files": str(data)},
-        "checkpointer": {"_component_": "torchtune.training.FullModelHFCheckpointer", "checkpoint_dir": str(ckpt),
-                         "checkpoint_files": ["model.safetensors"]},
-        "optimizer": {"_component_": "torch.optim.AdamW"},
-    })
-
-
 def test_defaults_are_filled(cfg):
     out = validate(cfg)
     for key, spec in COMMON_KEYS.items():
@@ -186,7 +168,8 @@ def test_the_no_validation_line_is_printed_once_per_job(cfg, caplog, monkeypatch
         assert ("no validation during training" in caplog.text) == said, rank
 
 
-@pytest.mark.parametrize("other,ours", [("val_batch_size", "batch_size_val"), ("max_validation_steps", "max_val_samples"),
+@pytest.mark.parametrize("other,ours", [("val_batch_size", "batch_size_val"),
+                                        ("max_validation_steps", "max_val_samples"),
                                         ("val_dataset", "dataset_val")])
 def test_other_tools_names_point_to_ours(cfg, caplog, other, ours):
     cfg[other] = 4

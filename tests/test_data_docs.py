@@ -113,6 +113,7 @@ def test_each_command_is_accepted_and_reads_its_data(page_commands, monkeypatch)
     assert built["my_validated"][0].run_val_every_n_steps == 2
 
 
+@pytest.mark.slow
 def test_the_command_with_a_validation_file_trains_and_validates(page_commands, smollm2_assets):
     root, commands = page_commands
     (argv,) = [c for c in commands if "output_dir=outputs/my_validated" in c]

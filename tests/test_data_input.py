@@ -144,6 +144,7 @@ def test_a_dataset_with_no_trainable_token_at_all_stops_before_training(tiny_run
         build_step_loader(cfg, tt_config.instantiate(cfg.tokenizer), seed=0, ignore_index=-100)
 
 
+@pytest.mark.slow
 def test_the_recipe_stops_with_one_line_and_writes_nothing(tiny_run):
     """The issue's case end to end: packs of 8 tokens skipped every step and exited 0 after training."""
     from helpers import run_tune

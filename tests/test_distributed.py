@@ -17,6 +17,8 @@ import torch
 
 from helpers import REPO_ROOT, rel_diff, tiny_model
 
+pytestmark = pytest.mark.slow  # every test here runs a recipe or torchrun (pyproject.toml: markers)
+
 TOL = 1e-5
 CLIP = 1.0
 

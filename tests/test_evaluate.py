@@ -22,7 +22,14 @@ from torchtune_ext.checkpoint import CheckpointManager, Progress, file_sha256
 from torchtune_ext.config import ConfigError
 from torchtune_ext.data import StepLoader, make_collate
 from torchtune_ext.evaluate import (
-    EvalResult, Validator, base_model_config, build_eval_loader, build_val_loader, describe, evaluate, perplexity,
+    EvalResult,
+    Validator,
+    base_model_config,
+    build_eval_loader,
+    build_val_loader,
+    describe,
+    evaluate,
+    perplexity,
 )
 from torchtune_ext.loss import SummedCrossEntropyLoss
 from torchtune_ext.step import forward_sums, prepare_micro_batch
@@ -307,7 +314,7 @@ def test_the_command_checks_a_step_folders_hashes(eval_folder, capsys):
     step.parent.mkdir()
     folder.rename(step)
     write_manifest(step, 3)
-    from test_checkpoint import damage_same_size
+    from helpers import damage_same_size
 
     damage_same_size(step / "model.safetensors")  # weights zeroed, the header intact: it would load
     code, err, _, _ = run_command(capsys, config, step)

@@ -85,6 +85,7 @@ def test_run_that_ends_in_skipped_nonfinite_steps_is_not_a_success():
         health.finish()
 
 
+@pytest.mark.slow
 def test_destroyed_model_stops_and_names_the_checkpoint_before_the_damage(tiny_run):
     """optimizer.lr=1e6: step 1 trains at lr 0 (warm-up), step 2's update destroys the model, step 3 shows it."""
     config = tiny_run(batch_size=4, gradient_accumulation_steps=1, save_every_n_steps=1, **{"optimizer.lr": 1e6})
@@ -100,6 +101,7 @@ def test_destroyed_model_stops_and_names_the_checkpoint_before_the_damage(tiny_r
         assert [r["step"] for r in read_jsonl(out / "logs/metrics.jsonl")] == [1, 2]
 
 
+@pytest.mark.slow
 def test_loss_spike_nats_stops_a_diverging_run(tiny_run):
     """The LR is multiplied by 1e4 from step 6 on: the loss explodes without becoming non-finite."""
     losses = {}

@@ -131,7 +131,8 @@ def test_folder_without_config_json(tmp_path):
 
 def test_model_type_unknown_to_this_transformers(tmp_path):
     err = refused(write_config(tmp_path / "m", model_type="llama99", architectures=["Llama99ForCausalLM"]))
-    assert err.key == "model.path" and "'llama99'" in str(err) and f"transformers {transformers.__version__}" in str(err)
+    assert err.key == "model.path" and "'llama99'" in str(err)
+    assert f"transformers {transformers.__version__}" in str(err)
 
 
 def test_model_needing_remote_code_is_refused_unless_trusted(tmp_path):
@@ -145,11 +146,12 @@ def test_model_needing_remote_code_is_refused_unless_trusted(tmp_path):
 def test_vision_language_models_are_refused_naming_their_class(tmp_path):
     gemma3 = tmp_path / "gemma3"
     AutoConfig.for_model("gemma3").save_pretrained(str(gemma3))  # Gemma 3 4B's layout: text + vision
-    assert "Gemma3ForConditionalGeneration is a multimodal model (vision_config)" in str(refused(gemma3))
+    assert "Gemma3ForConditionalGeneration is an image-text model (vision_config); set model.text_only=true" \
+        in str(refused(gemma3))  # its language model can train alone: tests/test_hf_text_only.py
     qwen_vl = write_config(tmp_path / "qwen2_vl", model_type="qwen2_vl",
                            architectures=["Qwen2VLForConditionalGeneration"])
-    assert "Qwen2VLForConditionalGeneration (model_type 'qwen2_vl') is not a causal language model" \
-        in str(refused(qwen_vl))
+    assert "Qwen2VLForConditionalGeneration is a multimodal model (vision_config) whose language model " \
+        "transformers" in str(refused(qwen_vl))
     bert = write_config(tmp_path / "bert", model_type="bert", architectures=["BertForMaskedLM"])
     assert "BertForMaskedLM" in str(refused(bert)) and "not a causal language model" in str(refused(bert))
 

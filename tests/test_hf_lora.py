@@ -19,8 +19,15 @@ from hf_tiny import TinyFolders
 from torchtune_ext.checkpoint import CheckpointManager, Progress
 from torchtune_ext.config import ConfigError
 from torchtune_ext.hf import (
-    HFCheckpointer, adapter_params, initialize_adapters, initialize_dora_magnitude, load_state, lora_causal_lm,
-    lora_checkpoint_state, lora_config, model_keys,
+    HFCheckpointer,
+    adapter_params,
+    initialize_adapters,
+    initialize_dora_magnitude,
+    load_state,
+    lora_causal_lm,
+    lora_checkpoint_state,
+    lora_config,
+    model_keys,
 )
 from torchtune_ext.hf.model import causal_lm
 from torchtune_ext.loss import SummedCrossEntropyLoss

@@ -12,6 +12,20 @@ from typing import Dict, List, Set, Tuple
 PACKAGE = "torchtune_ext"
 ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 
+# The layers of docs/architecture.md, by the module's (or package's) name under torchtune_ext: a module imports
+# from its own layer or those below, never from above.
+LAYERS = {
+    1: ("errors", "ranks", "text", "upstream", "flops", "assets", "gguf_to_hf", "download"),
+    2: ("config", "tokenizer"),
+    3: ("checkpoint",),
+    4: ("control", "_local_recipes"),
+    5: ("loss", "accounting", "grad_norm", "optim_in_bwd", "distributed", "hf", "models", "lora", "runtime",
+        "health", "memory", "preflight", "data_check", "data", "resume", "step", "metrics", "evaluate"),
+    6: ("loop", "parity_report"),
+}
+# The bottom of the stack: these import nothing of ours.
+LEAVES = ("errors", "ranks", "text")
+
 
 def _module_name(path: Path) -> str:
     parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
@@ -59,6 +73,23 @@ def _imports(name: str, path: Path, known: Set[str]) -> List[Tuple[str, int, str
     return found
 
 
+def _edges(importer: str, module: str, known: Set[str]) -> Set[str]:
+    """The modules an import of ``module`` by ``importer`` runs: ``module`` and each package on the way.
+
+    Importing a.b.c runs a and a.b first, except a package the importer itself
+    lies in: that one has started before the importer could run, so a module
+    importing its sibling (a.b.x importing a.b.c) does not depend on a.b's
+    ``__init__``. Importing a package itself (``from a.b import name``) does.
+    """
+    parts = module.split(".")
+    on_the_way = {".".join(parts[:i]) for i in range(2, len(parts))}
+    edges = {p for p in on_the_way if p in known and not importer.startswith(p + ".")}
+    if module in known:
+        edges.add(module)
+    edges.discard(importer)
+    return edges
+
+
 def _graph() -> Dict[str, Set[str]]:
     modules = _modules()
     known = set(modules)
@@ -66,10 +97,7 @@ def _graph() -> Dict[str, Set[str]]:
     for name, path in modules.items():
         edges = set()
         for module, _, _, _ in _imports(name, path, known):
-            # importing a.b.c runs a and a.b first: an edge to each package on the way
-            parts = module.split(".")
-            edges.update(".".join(parts[:i]) for i in range(2, len(parts) + 1) if ".".join(parts[:i]) in known)
-        edges.discard(name)
+            edges |= _edges(name, module, known)
         graph[name] = edges
     return graph
 
@@ -112,9 +140,37 @@ def test_the_cycle_finder_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": set()}) == []
 
 
+def test_an_import_runs_the_packages_on_the_way_except_the_importers_own():
+    known = {"p", "p.a", "p.sub", "p.sub.x", "p.sub.y"}
+    assert _edges("p.a", "p.sub.x", known) == {"p.sub", "p.sub.x"}
+    assert _edges("p.sub.y", "p.sub.x", known) == {"p.sub.x"}  # p.sub has started before p.sub.y runs
+    assert _edges("p.sub.y", "p.sub", known) == {"p.sub"}  # a name from the package's __init__: a real edge
+
+
 def test_no_import_cycle_among_the_library_modules():
     cycles = _cycles(_graph())
     assert not cycles, "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def _layer(module: str) -> int:
+    top = module.split(".")[1] if module.count(".") else ""
+    if not top:
+        return 0  # the package's own __init__
+    found = [layer for layer, names in LAYERS.items() if top in names]
+    assert found, f"{module} is in no layer of LAYERS (tests/test_imports.py, docs/architecture.md)"
+    return found[0]
+
+
+def test_imports_point_down_the_layers():
+    upward = [f"{name} (layer {_layer(name)}) imports {target} (layer {_layer(target)})"
+              for name, targets in _graph().items() for target in sorted(targets) if _layer(target) > _layer(name)]
+    assert not upward, "\n".join(upward)
+
+
+def test_the_leaves_import_nothing_of_ours():
+    graph = _graph()
+    for leaf in LEAVES:
+        assert graph[f"{PACKAGE}.{leaf}"] == set(), leaf
 
 
 def test_no_private_name_is_imported_from_another_module():

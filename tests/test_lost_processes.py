@@ -18,8 +18,9 @@ from omegaconf import OmegaConf
 import resume_jobs
 from helpers import REPO_ROOT
 from torchtune_ext.checkpoint import incomplete_checkpoints, list_checkpoints, verify_checkpoint
-from torchtune_ext.launch import OUTCOME_FILE_ENV, STOP_OTHERS_SIGNAL
-from torchtune_ext.run_lock import holder
+from torchtune_ext.control.exits import STOP_OTHERS_SIGNAL
+from torchtune_ext.control.run_lock import holder
+from torchtune_ext.errors import OUTCOME_FILE_ENV
 
 RECIPE = "recipes/full_finetune_distributed.py"
 
@@ -85,6 +86,7 @@ def assert_checkpoints_whole(out):
     return checkpoints[-1]
 
 
+@pytest.mark.slow
 def test_workers_end_when_their_launcher_is_killed(setup_yaml, tmp_path):
     """Issue 33 F2: SIGKILL of the launcher left its workers training as orphans, saving unseen checkpoints,
     and a resume was refused as 'in use'. They end within seconds; every checkpoint is whole; the folder is
@@ -106,6 +108,7 @@ def test_workers_end_when_their_launcher_is_killed(setup_yaml, tmp_path):
 
 
 @pytest.mark.parametrize("rank", [1])
+@pytest.mark.slow
 def test_a_killed_worker_ends_the_job_with_one_line_naming_the_checkpoint(setup_yaml, tmp_path, rank):
     """Issue 33 F10: SIGKILL of one worker. The other worker and the launcher end without a traceback; the
     launcher's one line names the rank, the signal, the newest complete checkpoint and the command that
@@ -164,7 +167,7 @@ def test_the_launcher_names_the_lost_rank_and_the_checkpoint(tmp_path, capsys, m
                                                              failures, status, line):
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from torchtune_ext import launch
+    from torchtune_ext.control import exits, launcher
 
     out = tmp_path / "out"
     (out / "step_4").mkdir(parents=True)
@@ -175,16 +178,16 @@ def test_the_launcher_names_the_lost_rank_and_the_checkpoint(tmp_path, capsys, m
     error = ChildFailedError("recipe", {r: failure(tmp_path, r, code, msg) for r, (msg, code) in failures.items()})
 
     def run(args):
-        launch.record_output_dir(str(out))  # what rank 0 does once its job holds the folder
+        exits.record_output_dir(str(out))  # what rank 0 does once its job holds the folder
         raise error
 
     if status is None:
         with pytest.raises(ChildFailedError):
-            launch.quiet_reported_failures(run)(None)
+            launcher.quiet_reported_failures(run)(None)
         assert capsys.readouterr().err == ""
         return
     with pytest.raises(SystemExit) as exit_info:
-        launch.quiet_reported_failures(run)(None)
+        launcher.quiet_reported_failures(run)(None)
     assert exit_info.value.code == status
     assert capsys.readouterr().err == (  # on a new line: a worker's progress bar may have been cut short
         f"\nerror: {line}the last complete checkpoint is intact: {out / 'step_4'}. Continue with: tune run "
@@ -202,7 +205,7 @@ def launcher_signal_handlers():
 
 LOSES_A_PEER = textwrap.dedent("""
     import sys
-    from torchtune_ext.launch import exit_on_user_error
+    from torchtune_ext.control.exits import exit_on_user_error
 
     @exit_on_user_error
     def recipe_main(cfg):
@@ -222,7 +225,8 @@ def test_a_worker_that_loses_a_peer_ends_quietly_as_a_consequence(tmp_path, laun
     traceback."""
     import sys
 
-    from torchtune_ext.launch import LAUNCHER_PID_ENV, LOST_PEER
+    from torchtune_ext.control.exits import LOST_PEER
+    from torchtune_ext.errors import LAUNCHER_PID_ENV
 
     error_file = tmp_path / "error.json"
     env = {k: v for k, v in os.environ.items() if k not in (LAUNCHER_PID_ENV, OUTCOME_FILE_ENV)}
@@ -246,10 +250,10 @@ def test_a_worker_that_loses_a_peer_ends_quietly_as_a_consequence(tmp_path, laun
 def test_a_worker_killed_before_the_job_held_its_folder_names_no_checkpoint(tmp_path, capsys):
     """Killed during its imports or before the lock: no folder of this job to look in (it may be another
     run's), so the line says to start again."""
-    from torchtune_ext import launch
+    from torchtune_ext.control import launcher
 
     with pytest.raises(SystemExit) as exit_info:
-        launch._exit_for_lost_rank({1: failure(tmp_path, 1, -9), 0: failure(tmp_path, 0, STOPPED)}, None)
+        launcher._exit_for_lost_rank({1: failure(tmp_path, 1, -9), 0: failure(tmp_path, 0, STOPPED)}, None)
     assert exit_info.value.code == 137
     assert capsys.readouterr().err == ("\nerror: rank 1 (pid 1001) was killed by SIGKILL, and the job stopped; it "
                                        "stopped before it held its output_dir: start it again with the same command"

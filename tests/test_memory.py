@@ -11,8 +11,15 @@ from torchtune.modules.peft import get_adapter_params, set_trainable_params
 from helpers import IGNORE, collate, instruct_samples, rel_diff
 from torchtune_ext import memory
 from torchtune_ext.loss import SummedCrossEntropyLoss
-from torchtune_ext.memory import (MemoryGuard, MicroBatchShape, ModelShape, activation_bytes, decide, model_shape,
-                                  step_peak_bytes)
+from torchtune_ext.memory import (
+    MemoryGuard,
+    MicroBatchShape,
+    ModelShape,
+    activation_bytes,
+    decide,
+    model_shape,
+    step_peak_bytes,
+)
 from torchtune_ext.models import lora_tiny_llama
 from torchtune_ext.step import forward_backward, train_step
 

@@ -143,20 +143,20 @@ def test_log_lines_during_training_are_written_above_the_progress_bar(monkeypatc
     import io
     import logging
 
-    from torchtune_ext import metrics
     from torchtune_ext.metrics import StepReporter
+    from torchtune_ext.metrics import reporter as reporter_module
 
     console = io.StringIO()
     monkeypatch.setattr(sys, "stderr", console)  # where the bar and a console handler write
     handler = logging.StreamHandler(console)
-    monkeypatch.setattr(metrics.log, "handlers", [handler])
+    monkeypatch.setattr(reporter_module.log, "handlers", [handler])
     reporter = StepReporter(MetricLogger(tmp_path / "metrics.jsonl"), torch.device("cpu"), total_steps=3)
-    metrics.log.warning("a line during training")
+    reporter_module.log.warning("a line during training")
     reporter.close()
     before = console.getvalue().split("a line during training")[0]
     assert "0/3" in before  # the bar was drawn first
     assert before.endswith(("\r", "\n")), repr(before[-40:])
-    assert metrics.log.handlers == [handler]
+    assert reporter_module.log.handlers == [handler]
 
 
 # ------------------------------------------------------ a disk that fills during a step (issue 33 F3)
@@ -188,10 +188,10 @@ def fake_checkpoint(output_dir, step):
 
 
 def test_a_full_disk_while_logging_a_step_stops_within_seconds_naming_the_checkpoint(tmp_path, monkeypatch):
-    from torchtune_ext import metrics
     from torchtune_ext.checkpoint import CheckpointSaveError, OutputWriteError
+    from torchtune_ext.metrics import logger as logger_module
 
-    monkeypatch.setattr(metrics, "BACKEND_CLOSE_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(logger_module, "BACKEND_CLOSE_TIMEOUT_S", 0.5)
     latest = fake_checkpoint(tmp_path, 4)
     fake_checkpoint(tmp_path, 2)
     logger = MetricLogger(tmp_path / "logs" / "metrics.jsonl", SlowClosingBackend(), rank=0)

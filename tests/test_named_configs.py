@@ -17,9 +17,10 @@ import torch
 from omegaconf import OmegaConf
 
 from helpers import REPO_ROOT
-from hf_tiny import write_tiny
+from hf_tiny import write_tiny, write_tiny_image_text
 
-NAMED = sorted(p for family in ("qwen3", "gemma3", "qwen3_moe") for p in (REPO_ROOT / "configs" / family).glob("*.yaml"))
+NAMED = sorted(p for family in ("qwen3", "gemma3", "qwen3_moe")
+               for p in (REPO_ROOT / "configs" / family).glob("*.yaml"))
 # what a named config may set differently from its generic config
 PER_MODEL = {"model_dir", "output_dir", "batch_size", "gradient_accumulation_steps", "optimizer.lr",
              "enable_activation_checkpointing", "fsdp_cpu_offload", "tokenizer.max_seq_len", "model.lora_rank",
@@ -50,7 +51,7 @@ def test_there_are_named_configs_for_the_common_models():
         for kind in ("full_single_device", "full", "lora_single_device", "lora"):
             assert f"qwen3/{size}_{kind}.yaml" in names
     assert {"gemma3/1B_full_single_device.yaml", "gemma3/1B_lora_single_device.yaml",
-            "qwen3_moe/30B_A3B_lora.yaml"} <= names
+            "gemma3/4B_lora_single_device.yaml", "qwen3_moe/30B_A3B_lora.yaml"} <= names
 
 
 @pytest.mark.parametrize("path", NAMED, ids=lambda p: f"{p.parent.name}/{p.stem}")
@@ -69,10 +70,13 @@ def tiny_folders(tmp_path_factory, smollm2_assets):
     root = tmp_path_factory.mktemp("named")
     folders = {}
     for family in set(FAMILY.values()):
-        folder = write_tiny(family, root / family, vocab_size=49_152, max_position_embeddings=4096)
+        folders[family] = write_tiny(family, root / family, vocab_size=49_152, max_position_embeddings=4096)
+    # Gemma 3 4B and larger are image-text folders (model.text_only)
+    folders["gemma3 image-text"] = write_tiny_image_text(
+        "gemma3", root / "gemma3_image_text", text=dict(vocab_size=49_152, max_position_embeddings=4096))
+    for folder in folders.values():
         for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
             shutil.copy(smollm2_assets / "SmolLM2-135M-Instruct" / name, folder / name)
-        folders[family] = folder
     return folders
 
 
@@ -82,7 +86,8 @@ def test_a_named_config_passes_the_checks_on_a_folder_of_its_family(path, tiny_f
     from torchtune_ext.preflight import check_components
 
     cfg = OmegaConf.load(path)
-    cfg.model_dir = str(tiny_folders[FAMILY[path.parent.name]])
+    family = FAMILY[path.parent.name] + (" image-text" if cfg.model.get("text_only") else "")
+    cfg.model_dir = str(tiny_folders[family])
     cfg.output_dir = str(tmp_path / "out")
     cfg.metric_logger = None
     keys = {**(LORA_KEYS if "lora" in path.stem else {}),

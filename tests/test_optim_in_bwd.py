@@ -103,7 +103,7 @@ def test_state_dict_resumes_exactly():
 
 
 def test_non_finite_gradient_stops_the_run():
-    from torchtune_ext.step import NonFiniteError
+    from torchtune_ext.errors import NonFiniteError
 
     model = tiny_model()
     optimizer = OptimizerInBackward(model.parameters(), adamw)

@@ -10,11 +10,11 @@ the start-up of those subprocesses (importing torch and torchtune).
 import json
 import math
 import struct
-import tomllib
 from pathlib import Path
 
 import matplotlib.image
 import pytest
+import tomllib
 import torch
 from omegaconf import OmegaConf
 

@@ -2,7 +2,7 @@
 
 The recipe runs as a user runs it (``tune run``, a real signal from
 ``os.kill``); the resumed run must equal an uninterrupted one. Two ranks:
-tests/test_resume_chain.py.
+tests/recipes/test_resume_chain.py.
 """
 
 import os
@@ -18,8 +18,8 @@ from omegaconf import OmegaConf
 import resume_jobs
 from helpers import REPO_ROOT, read_jsonl, run_tune
 from torchtune_ext.checkpoint import MANIFEST, list_checkpoints, verify_checkpoint
-from torchtune_ext.launch import OUTCOME_FILE_ENV
-from torchtune_ext.preemption import REPEAT_WINDOW_S, STOPPED_EXIT_STATUS, resume_command
+from torchtune_ext.control.preemption import REPEAT_WINDOW_S, resume_command
+from torchtune_ext.errors import EXIT_STOPPED, OUTCOME_FILE_ENV
 
 RECIPE = "recipes/full_finetune_single_device.py"
 LONG = ["epochs=12"]  # 48 steps of a few milliseconds each: the signal arrives mid-run
@@ -54,6 +54,7 @@ def write_config(tiny, out):
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.slow
 def test_signal_saves_says_how_to_resume_and_resumes_exactly(tiny, tmp_path, signum):
     out = tmp_path / "out"
     config = write_config(tiny, out)
@@ -61,7 +62,7 @@ def test_signal_saves_says_how_to_resume_and_resumes_exactly(tiny, tmp_path, sig
     wait_for_steps(proc, out / "logs" / "metrics.jsonl", 3)
     os.kill(proc.pid, signum)
     _, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == STOPPED_EXIT_STATUS, stderr[-3000:]
+    assert proc.returncode == EXIT_STOPPED, stderr[-3000:]
     assert "Traceback" not in stderr
     checkpoint = list_checkpoints(str(out))[-1]  # the stop's (before it: one at each epoch end)
     verify_checkpoint(checkpoint)
@@ -75,7 +76,8 @@ def test_signal_saves_says_how_to_resume_and_resumes_exactly(tiny, tmp_path, sig
     if signum == signal.SIGINT:
         return  # the same path as SIGTERM from here on
 
-    resumed = run_tune(RECIPE, "--config", str(config), "resume_from_checkpoint=true", extra_env={"OMP_NUM_THREADS": "1"})
+    resumed = run_tune(RECIPE, "--config", str(config), "resume_from_checkpoint=true",
+                       extra_env={"OMP_NUM_THREADS": "1"})
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     got, ref = resume_jobs.by_step(out), tiny[1]
     assert sorted(got) == sorted(ref)
@@ -86,7 +88,7 @@ def test_signal_saves_says_how_to_resume_and_resumes_exactly(tiny, tmp_path, sig
 SCRIPT = textwrap.dedent("""
     import os, signal, sys, time
     import torch
-    from torchtune_ext.preemption import GracefulStop
+    from torchtune_ext.control.preemption import GracefulStop
     stop = GracefulStop(torch.device("cpu"), output_dir=sys.argv[1] or None)
     assert not stop.requested()
     os.kill(os.getpid(), signal.SIGTERM)
@@ -129,6 +131,7 @@ def test_second_signal_stops_at_once_and_names_the_checkpoint(tmp_path, saved):
 
 
 @pytest.mark.parametrize("save_fails", [False, True], ids=["saved", "save-failed"])
+@pytest.mark.slow
 def test_a_scheduler_signalling_the_whole_job_gets_the_workers_exit_status(tiny, tmp_path, save_fails):
     """SLURM and Kubernetes signal every process of the job, the ``tune`` launcher included: torchrun's agent then
     ends with its own SignalException, which carries no worker status. The launcher must still exit with rank 0's
@@ -149,7 +152,7 @@ def test_a_scheduler_signalling_the_whole_job_gets_the_workers_exit_status(tiny,
         assert proc.returncode == 74, stderr[-3000:]
         assert "error: saving step_" in stderr and "is a file" in stderr
     else:
-        assert proc.returncode == STOPPED_EXIT_STATUS, stderr[-3000:]
+        assert proc.returncode == EXIT_STOPPED, stderr[-3000:]
         assert "Stopped on SIGTERM after optimizer step" in stderr
         verify_checkpoint(list_checkpoints(str(out))[-1])
 
@@ -157,7 +160,7 @@ def test_a_scheduler_signalling_the_whole_job_gets_the_workers_exit_status(tiny,
 FINISHED_SCRIPT = textwrap.dedent("""
     import os, signal, time
     import torch
-    from torchtune_ext.preemption import GracefulStop
+    from torchtune_ext.control.preemption import GracefulStop
     stop = GracefulStop(torch.device("cpu"))
     assert stop.finished() == 0   # training ran to its end; the cleanup (W&B's finish) follows
     os.kill(os.getpid(), signal.SIGTERM)
@@ -191,16 +194,17 @@ def test_resume_command_names_the_recipe_file(monkeypatch):
 
 LATE_SIGNAL_SCRIPT = textwrap.dedent("""
     import atexit, os, signal, sys, time
-    from torchtune_ext import launch
+    from torchtune_ext.control import exits
 
     def late_signal():  # as W&B's exit hook, which takes seconds: a scheduler's SIGTERM arrives meanwhile
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(5)
 
     class Teardown:  # later still: while the interpreter tears its modules down, after its handlers are reset
-        def __del__(self):
-            os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(0.5)
+        # (bound now: by then the modules' globals may be gone)
+        def __del__(self, kill=os.kill, pid=os.getpid(), sigterm=signal.SIGTERM, sleep=time.sleep):
+            kill(pid, sigterm)
+            sleep(0.5)
 
     if sys.argv[2] == "teardown":
         teardown = Teardown()
@@ -212,7 +216,7 @@ LATE_SIGNAL_SCRIPT = textwrap.dedent("""
             sys.exit(2)  # report_and_exit's way
         return int(sys.argv[1])
 
-    launch.run_main(recipe_main)
+    exits.run_main(recipe_main)
 """)
 
 
@@ -222,7 +226,8 @@ def test_a_signal_while_the_interpreter_exits_keeps_the_decided_status(status, w
     """The recipe's handlers are gone once it returned; a SIGTERM during the interpreter's shutdown (W&B's exit hook)
     ended the process with 143 after a finished run or a saved stop, which a job script reads as a kill."""
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
-    proc = subprocess.run([sys.executable, "-c", LATE_SIGNAL_SCRIPT, status, when], env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", LATE_SIGNAL_SCRIPT, status, when], env=env, capture_output=True,
+                          text=True,
                           timeout=120)
     assert proc.returncode == (2 if status == "raise" else int(status)), proc.stderr
     assert "Traceback" not in proc.stderr

@@ -1,7 +1,7 @@
 """One run per output folder: a second run stops at once with one line; a crashed run leaves no stuck lock.
 
 Two ranks of one job are one run, and all of them refuse a folder held by
-another run: tests/test_resume_chain.py (``test_two_ranks_refuse_a_held_folder``).
+another run: tests/recipes/test_resume_chain.py (``test_two_ranks_refuse_a_held_folder``).
 """
 
 import fcntl
@@ -19,8 +19,9 @@ from omegaconf import OmegaConf
 import resume_jobs
 from helpers import REPO_ROOT, read_jsonl
 from torchtune_ext.checkpoint import list_checkpoints, verify_checkpoint
-from torchtune_ext.config import ConfigError, output_dir_unchanged_on_error
-from torchtune_ext.run_lock import LOCK_FILE, OutputDirLock, check_not_in_use, holder
+from torchtune_ext.config import ConfigError
+from torchtune_ext.control.rollback import output_dir_unchanged_on_error
+from torchtune_ext.control.run_lock import LOCK_FILE, OutputDirLock, check_not_in_use, holder
 
 RECIPE = "recipes/full_finetune_single_device.py"
 
@@ -48,6 +49,7 @@ def test_free_folder_has_no_holder_and_probing_writes_nothing(tmp_path):
     check_not_in_use(str(tmp_path / "out"))
 
 
+@pytest.mark.slow
 def test_second_run_stops_with_one_line_and_writes_nothing(setup_yaml, tmp_path):
     out = tmp_path / "out"
     config = tmp_path / "run.yaml"
@@ -75,6 +77,7 @@ def has_open(pid, path):
         return False
 
 
+@pytest.mark.slow
 def test_two_runs_started_together_then_a_third(setup_yaml, tmp_path):
     """Issue 33 F1, as a user meets it: two runs of one command started at the same moment, then a third while
     the winner trains. Exactly one trains; the others exit 2 with one line naming it; its checkpoints and
@@ -141,7 +144,7 @@ def test_two_runs_started_together_then_a_third(setup_yaml, tmp_path):
 
 def test_a_killed_holder_leaves_no_stuck_lock(tmp_path):
     out = tmp_path / "out"
-    script = ("import sys, time; from torchtune_ext.run_lock import OutputDirLock; "
+    script = ("import sys, time; from torchtune_ext.control.run_lock import OutputDirLock; "
               f"lock = OutputDirLock({str(out)!r}); print('locked', flush=True); time.sleep(600)")
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
     proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True)
@@ -160,8 +163,9 @@ def test_a_killed_holder_leaves_no_stuck_lock(tmp_path):
 HOLDER = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from torchtune_ext.config import ConfigError, output_dir_unchanged_on_error
-    from torchtune_ext.run_lock import OutputDirLock
+    from torchtune_ext.config import ConfigError
+    from torchtune_ext.control.rollback import output_dir_unchanged_on_error
+    from torchtune_ext.control.run_lock import OutputDirLock
     out, then = Path(sys.argv[1]), sys.argv[2]
     with output_dir_unchanged_on_error(str(out)):
         lock = OutputDirLock(str(out))

@@ -7,12 +7,23 @@ import torch
 import torch.nn.functional as F
 
 from helpers import (
-    IGNORE, VOCAB, ConstantLossModel, clone, collate, constant_loss_sample, instruct_samples, rel_diff, text_samples,
-    tiny_model, windows,
+    IGNORE,
+    VOCAB,
+    ConstantLossModel,
+    clone,
+    collate,
+    constant_loss_sample,
+    instruct_samples,
+    rel_diff,
+    text_samples,
+    tiny_model,
+    windows,
 )
+from torchtune_ext.errors import NonFiniteError
+from torchtune_ext.grad_norm import grad_norm_and_clip
 from torchtune_ext.loss import SummedCrossEntropyLoss
 from torchtune_ext.runtime import embedding_rows_into_grad
-from torchtune_ext.step import NonFiniteError, StepHealth, forward_backward, grad_norm_and_clip, train_step
+from torchtune_ext.step import StepHealth, forward_backward, train_step
 
 CPU = torch.device("cpu")
 TOL = 1e-5
@@ -108,7 +119,8 @@ def test_matches_independent_reference(once, chunks, output):
     micro = [collate(samples[:2], pad_to=50), collate(samples[2:])]
     totals = forward_backward(model, loss_fn, micro, device=CPU, backward_once_per_step=once)
     # tokens counted after the shift: one fewer per row than label entries when all are trainable
-    assert totals.num_tokens == totals.local_num_tokens == sum(sum(l != IGNORE for l in s["labels"][1:]) for s in samples)
+    trainable = sum(sum(label != IGNORE for label in s["labels"][1:]) for s in samples)
+    assert totals.num_tokens == totals.local_num_tokens == trainable
     assert abs(totals.mean("loss") - ref_loss) <= TOL * ref_loss
     for name, p in model.named_parameters():
         assert rel_diff(p.grad, ref_grads[name]) <= TOL, name
@@ -121,7 +133,8 @@ def test_count_is_after_shift():
              collate(text_samples([6]))]
     model = tiny_model()
     loss_fn = attach_loss(model)
-    assert forward_backward(model, loss_fn, micro, device=CPU).num_tokens == 5  # 0 from the first row, 6 - 1 from the second
+    # 0 from the first row, 6 - 1 from the second
+    assert forward_backward(model, loss_fn, micro, device=CPU).num_tokens == 5
 
 
 @pytest.mark.parametrize("batch_size,grad_accum", [(2, 1), (1, 2)])
@@ -244,14 +257,16 @@ def test_embedding_rows_into_grad_gives_the_same_gradients_and_updates(once):
 
 
 def test_embedding_rows_into_grad_reach_optimizer_in_backward():
-    """The weight's gradient hook runs after the embedding's rows are in: the in-backward update equals the normal one."""
+    """The weight's gradient hook runs after the embedding's rows are in: the in-backward update equals the normal
+    one."""
     from torchtune_ext.optim_in_bwd import OptimizerInBackward
 
     step_windows = windows(instruct_samples([3, 10, 6, 2, 8, 5], [12, 2, 5, 9, 1, 14]), batch_size=2, grad_accum=3)
     reference, rows = tiny_model(), tiny_model()
     assert embedding_rows_into_grad(rows, CPU)
     adamw = lambda params: torch.optim.AdamW(params, lr=1e-2)  # noqa: E731
-    for model, opt in ((reference, adamw(reference.parameters())), (rows, OptimizerInBackward(rows.parameters(), adamw))):
+    for model, opt in ((reference, adamw(reference.parameters())),
+                       (rows, OptimizerInBackward(rows.parameters(), adamw))):
         loss_fn = attach_loss(model)
         for w in step_windows:
             train_step(model, opt, loss_fn, w, device=CPU)

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 from helpers import IGNORE, instruct_samples, tiny_model, windows
-from torchtune_ext import accounting, step as step_module
+from torchtune_ext import accounting
+from torchtune_ext import step as step_module
 from torchtune_ext.data import StepLoader, make_collate
 from torchtune_ext.loss import SummedCrossEntropyLoss
 from torchtune_ext.metrics import progress_description, step_record

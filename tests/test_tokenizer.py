@@ -302,6 +302,7 @@ BRACKETS = "{% for m in messages %}[{{ m.role }}] {{ m.content }}<|im_end|>\n{% 
 
 @pytest.mark.parametrize("tokenizer", [{}, {"tokenizer._component_": "torchtune_ext.hf.tokenizer.hf_tokenizer",
                                             "tokenizer.chat_template": BRACKETS}], ids=["smollm2", "hf"])
+@pytest.mark.slow
 def test_saved_checkpoint_carries_the_chat_template_training_used(tiny_run, tokenizer):
     """issue 33 U4: the step folder's tokenizer_config.json was SmolLM2's, whose template adds a system prompt."""
     from omegaconf import OmegaConf
@@ -313,7 +314,7 @@ def test_saved_checkpoint_carries_the_chat_template_training_used(tiny_run, toke
                                            gradient_accumulation_steps=1, metric_logger=None, **tokenizer)))
     recipe = run_recipe(recipe_class("recipes/full_finetune_single_device.py", "FullFinetuneRecipeSingleDevice"), cfg)
     saved = Path(cfg.output_dir) / "step_1"
-    assert hf_ids(saved, TWO_TURNS) == recipe._tokenizer.tokenize_messages(TWO_TURNS)[0]
+    assert hf_ids(saved, TWO_TURNS) == recipe.run.tokenizer.tokenize_messages(TWO_TURNS)[0]
     base = json.loads((Path(cfg.checkpointer.checkpoint_dir) / "tokenizer_config.json").read_text())
     assert "named SmolLM" in base["chat_template"]  # the base folder is untouched
     manifest = json.loads((saved / "checkpoint.json").read_text())["files"]
@@ -369,6 +370,7 @@ def test_torchtune_tokenizer_on_a_wrong_file_names_what_it_reads(tiny_cfg):
         check_components(cfg, torch.device("cpu"))
 
 
+@pytest.mark.slow
 def test_tokenizer_path_that_is_not_a_tokenizer_stops_the_recipe_in_one_line(tiny_run):
     import os
 

@@ -7,7 +7,6 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from test_config import cfg  # noqa: F401  (the minimal valid config fixture)
 from torchtune_ext.config import DISTRIBUTED_KEYS, LORA_KEYS, ConfigError, validate
 
 
@@ -209,6 +208,7 @@ def test_collate_fn_is_used(tmp_path):
 
     cfg = OmegaConf.create({
         "dataset": {"_component_": "helpers.synthetic_sft_dataset", "num_samples": 4},
+        "model": {"_component_": "torchtune_ext.models.tiny_llama"},  # its max_seq_len bounds the samples
         "collate_fn": "test_upstream_keys.COLLATE", "batch_size": 2, "gradient_accumulation_steps": 1,
         "shuffle": False, "group_by_length": False, "max_tokens_per_micro_batch": None, "max_steps_per_epoch": None,
         "data_errors": "warn",

@@ -26,6 +26,7 @@ from typing import Dict, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from torchtune_ext import ranks
 from torchtune_ext.loss import CROSS_ENTROPY_IGNORE_INDEX, TokenSums
 
 
@@ -47,7 +48,7 @@ def count_trainable_tokens(
 
 def dp_is_active(group: Optional[dist.ProcessGroup] = None) -> bool:
     """True when a process group with more than one rank is initialised."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+    return ranks.several_processes(group)
 
 
 def global_sum(value: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:

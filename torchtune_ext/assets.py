@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-DOWNLOAD_COMMAND = "python -m torchtune_ext.download"
+from torchtune_ext.errors import DOWNLOAD_COMMAND, MissingAssetError
 
 #: Default output folder of the download command, relative to the working directory.
 DEFAULT_ASSETS_DIR = "assets"
@@ -26,13 +26,6 @@ MANIFEST_RELPATH = "MANIFEST.json"
 SMOLLM2_DIR = f"{DEFAULT_ASSETS_DIR}/{SMOLLM2_DIRNAME}"
 ALPACA_PATH = f"{DEFAULT_ASSETS_DIR}/{ALPACA_RELPATH}"
 SHAKESPEARE_PATH = f"{DEFAULT_ASSETS_DIR}/{SHAKESPEARE_RELPATH}"
-
-
-class MissingAssetError(FileNotFoundError):
-    """An asset the download command creates is not on disk.
-
-    The message names every missing path and the command that creates it.
-    """
 
 
 def _output_dir_of(path: Path) -> Path | None:

@@ -39,8 +39,8 @@ from torchtune import config as tt_config
 from torchtune.config._utils import _get_component_from_path
 from torchtune.data import padded_collate_packed, padded_collate_sft
 
-from torchtune_ext.config import ConfigError
 from torchtune_ext.data_check import act_on_reports, check_dataset, explain_unreadable
+from torchtune_ext.errors import ConfigError
 from torchtune_ext.loss import CROSS_ENTROPY_IGNORE_INDEX
 from torchtune_ext.memory import MicroBatchShape
 from torchtune_ext.preflight import model_max_seq_len
@@ -158,7 +158,8 @@ def build_dataset(cfg_dataset: Any, tokenizer: Any, key: str = "dataset", *,
 
 
 def make_collate(packed: bool, pad_id: int, ignore_index: int,
-                 collate_fn: Optional[Callable[..., Dict[str, Any]]] = None) -> Callable[[List[Sample]], Dict[str, Any]]:
+                 collate_fn: Optional[Callable[..., Dict[str, Any]]] = None
+                 ) -> Callable[[List[Sample]], Dict[str, Any]]:
     """The collator for a dataset: :func:`collate_packed`, or for unpacked data
     ``collate_fn`` (torchtune's right-padding ``padded_collate_sft`` by default,
     the ``collate_fn`` key), called with ``padding_idx`` and ``ignore_idx``."""

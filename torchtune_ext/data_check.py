@@ -28,7 +28,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
-from torchtune_ext.config import ConfigError
+from torchtune_ext import ranks
+from torchtune_ext.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -282,5 +283,5 @@ def act_on_reports(reports: List[DataReport], data_errors: str, require_tokens: 
 
 
 def _warn_once(message: str) -> None:
-    if int(os.environ.get("RANK", "0") or 0) == 0:
+    if ranks.is_rank_zero():
         log.warning(message)

@@ -17,7 +17,6 @@ Checkpoints are written in the single-device format: every rank takes part
 in gathering the full state dicts, rank 0 receives them (on CPU) and writes.
 """
 
-import os
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -28,8 +27,9 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 from torch.nn.modules.module import _IncompatibleKeys
 from torchtune import training
 
+from torchtune_ext import ranks
 from torchtune_ext.checkpoint import rng_state
-from torchtune_ext.config import ConfigError
+from torchtune_ext.errors import ConfigError
 from torchtune_ext.upstream import first_mismatch
 
 
@@ -50,12 +50,12 @@ def init_process_group(device: torch.device, cpu_offload: bool = False) -> Tuple
         (rank, world_size) in the default group.
     """
     backend = training.get_distributed_backend(device.type, offload_ops_to_cpu=cpu_offload and device.type != "cpu")
-    if not dist.is_initialized():
-        if "RANK" in os.environ:
+    if not ranks.in_process_group():
+        if ranks.launched_by_torchrun():
             dist.init_process_group(backend)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    return dist.get_rank(), dist.get_world_size()
+    return ranks.rank(), ranks.process_group_size()
 
 
 def _is_layer(name: str) -> bool:
@@ -106,7 +106,7 @@ def shard_model(
         ValueError: if the model has no transformer block.
         ConfigError: (key ``custom_sharded_layers``) a name that is not a module of the model.
     """
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
+    mesh = init_device_mesh(device.type, (ranks.process_group_size(),), mesh_dim_names=("dp",))
     kwargs: Dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if cpu_offload:
         # Pinned host memory speeds host<->GPU copies; there is no GPU to pin for on CPU.
@@ -207,12 +207,12 @@ def load_full_model_state_dict(
 
 def gather_full_model_state_dict(model: nn.Module, device: torch.device) -> Dict[str, torch.Tensor]:
     """All ranks gather; rank 0 gets the full state dict on CPU, other ranks ``{}``."""
-    return training.gather_cpu_state_dict(model, is_rank_zero=dist.get_rank() == 0, device=device)
+    return training.gather_cpu_state_dict(model, is_rank_zero=ranks.is_rank_zero(), device=device)
 
 
 def gather_full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
     """All ranks gather; rank 0 gets the unsharded optimizer state (keyed by parameter name), others ``{}``."""
-    return training.get_full_optimizer_state_dict(model, optimizer, is_rank_zero=dist.get_rank() == 0)
+    return training.get_full_optimizer_state_dict(model, optimizer, is_rank_zero=ranks.is_rank_zero())
 
 
 def load_full_optimizer_state_dict(
@@ -229,12 +229,12 @@ def gather_rng_states() -> Optional[List[Dict[str, Any]]]:
     ``seed + r``; dropout), so an exact resume needs each rank's own state,
     not only rank 0's (:class:`torchtune_ext.checkpoint.ResumeState`). Other ranks get None.
     """
-    states = [None] * dist.get_world_size()
+    states = [None] * ranks.process_group_size()
     dist.all_gather_object(states, rng_state())
-    return states if dist.get_rank() == 0 else None
+    return states if ranks.is_rank_zero() else None
 
 
 def destroy_process_group() -> None:
     """Leave the process group (after the last collective), if one was joined."""
-    if dist.is_initialized():
+    if ranks.in_process_group():
         dist.destroy_process_group()

@@ -44,6 +44,7 @@ from torchtune_ext.assets import (
     SHAKESPEARE_RELPATH,
     SMOLLM2_DIRNAME,
 )
+from torchtune_ext.errors import ChecksumError
 
 
 @dataclass(frozen=True)
@@ -145,10 +146,6 @@ def default_cache_dir() -> Path:
 
 
 # ---------------------------------------------------------------- fetching
-
-
-class ChecksumError(RuntimeError):
-    """A downloaded archive does not have the sha256 recorded in this module."""
 
 
 def sha256_of(path: str | os.PathLike) -> str:

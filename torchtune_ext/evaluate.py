@@ -65,10 +65,18 @@ from torch.utils.data import Dataset, Subset
 from torchtune import utils
 
 from torchtune_ext.accounting import TokenTally, TokenTotals, count_trainable_tokens
-from torchtune_ext.checkpoint import ADAPTER_WEIGHTS, MANIFEST, CheckpointManager, Progress, verify_checkpoint
-from torchtune_ext.config import COMMON_KEYS, ConfigError, UserError, validation_enabled
+from torchtune_ext.checkpoint import (
+    ADAPTER_WEIGHTS,
+    MANIFEST,
+    CheckpointManager,
+    Progress,
+    load_model_state,
+    verify_checkpoint,
+)
+from torchtune_ext.config import COMMON_KEYS, DISTRIBUTED_KEYS, LORA_KEYS, validate, validation_enabled
 from torchtune_ext.data import StepLoader, build_dataset, make_collate
-from torchtune_ext.loss import SummedCrossEntropyLoss, shift_labels
+from torchtune_ext.errors import EXIT_IO_ERROR, EXIT_USER_ERROR, ConfigError, UserError
+from torchtune_ext.loss import SummedCrossEntropyLoss, build_loss, shift_labels
 from torchtune_ext.models import build_tokenizer
 from torchtune_ext.step import forward_sums, prepare_micro_batch
 from torchtune_ext.upstream import describe_model
@@ -370,10 +378,6 @@ def load_checkpoint_for_evaluation(cfg: DictConfig, dataset_key: Optional[str] =
     from torchtune import config as tt_config
     from torchtune import training
 
-    from torchtune_ext.checkpoint import load_model_state
-    from torchtune_ext.config import DISTRIBUTED_KEYS, LORA_KEYS, validate
-    from torchtune_ext.loss import build_loss
-
     key = dataset_key or ("dataset_val" if cfg.get("dataset_val") is not None else "dataset")
     cfg = prepare_checkpoint_config(cfg)
     extra = {**DISTRIBUTED_KEYS, "save_adapter_weights_only": LORA_KEYS["save_adapter_weights_only"]}
@@ -480,17 +484,17 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.error(f"overrides are key=value, got {bad[0]!r}")
     if not Path(args.config).is_file():
         print(f"error: --config '{args.config}' does not exist", file=sys.stderr)
-        return 2
+        return EXIT_USER_ERROR
     refused = _check_output(args.output) if args.output else None
     if refused:
         print(f"error: {refused}", file=sys.stderr)
-        return 2
+        return EXIT_USER_ERROR
     try:
         cfg = OmegaConf.merge(OmegaConf.load(args.config), OmegaConf.from_dotlist(args.overrides))
         result = evaluate_checkpoint(cfg, args.dataset)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return EXIT_USER_ERROR
     text = json.dumps(result)
     print(text)
     output = Path(args.output) if args.output else default_output(cfg, result["dataset"])
@@ -503,7 +507,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except OSError as err:
         print(f"error: the result could not be written to '{output}' ({type(err).__name__}: {err}); it is "
               "printed above", file=sys.stderr)
-        return 74  # EX_IOERR, as a failed checkpoint save
+        return EXIT_IO_ERROR  # as a failed checkpoint save
     print(f"Result written to {output}", file=sys.stderr)
     return 0
 

@@ -27,7 +27,9 @@ overflows)                  (``torch._foreach_norm``)            anything is sav
 
 Every decision is made from global values (the loss and gradient norm are
 already reduced over ranks; the parameter check adds one scalar all-reduce),
-so under FSDP all ranks agree and stop at the same step.
+so under FSDP all ranks agree and stop at the same step. The errors raised
+(:class:`~torchtune_ext.errors.TrainingHealthError`, :class:`~torchtune_ext.errors.NonFiniteError`)
+live in :mod:`torchtune_ext.errors`.
 
 Which checkpoint to trust: the parameters saved as ``step_<j>`` are
 confirmed healthy once step ``j + 1`` runs on them without a sign. A sign at
@@ -53,7 +55,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from torchtune_ext.config import ConfigError
+from torchtune_ext.checkpoint import list_checkpoints
+from torchtune_ext.errors import ConfigError, NonFiniteError, TrainingHealthError
 
 log = logging.getLogger(__name__)
 
@@ -64,30 +67,6 @@ MAX_NONFINITE_IN_A_ROW = 5
 # (at least SPIKE_MIN_HISTORY of them).
 SPIKE_WINDOW = 32
 SPIKE_MIN_HISTORY = 3
-
-
-class TrainingHealthError(RuntimeError):
-    """Training has gone bad and was stopped.
-
-    Attributes:
-        step (int): the optimizer step at which it was detected.
-        suspect_from (int): the first optimizer step whose parameters are
-            suspect; checkpoint ``step_<j>`` predates the damage iff ``j < suspect_from``.
-    """
-
-    def __init__(self, step: int, reason: str, suspect_from: int, advice: str = ""):
-        self.step, self.suspect_from = step, suspect_from
-        super().__init__(reason + advice)
-
-
-class NonFiniteError(TrainingHealthError):
-    """The loss or the gradient norm of an optimizer step is NaN or infinite."""
-
-    def __init__(self, step: int, loss: float, grad_norm: float, advice: str = "",
-                 suspect_from: Optional[int] = None):
-        self.loss, self.grad_norm = loss, grad_norm
-        super().__init__(step, f"non-finite values at optimizer step {step}: loss={loss}, grad_norm={grad_norm}",
-                         step - 1 if suspect_from is None else suspect_from, advice)
 
 
 def parameters_finite(parameters: Iterable[torch.Tensor]) -> bool:
@@ -262,8 +241,6 @@ class StepHealth:
         """Which checkpoint predates the damage, which do not, and what to do."""
         if self.output_dir is None:
             return extra
-        from torchtune_ext.checkpoint import list_checkpoints
-
         suspect_from = self._suspect_from if self._suspect_from is not None else self.last_step
         try:
             found = [(int(p.name.split("_")[1]), p) for p in list_checkpoints(self.output_dir)]

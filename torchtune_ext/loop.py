@@ -7,7 +7,7 @@ its checkpoint holds; :class:`TrainingRun` does the rest, in this order::
     checkpoint = run.load_data_and_checkpoint()
         # checks, output_dir lock, resume point, tokenizer, loss, data, then the weights from disk
     model = <the recipe builds and wraps its model, loads checkpoint["model"]>
-    run.setup_training(model, trainable_parameters, checkpoint_bytes=...)
+    run.setup_training(model, trainable_parameters)
         # optimizer, memory guard, LR schedule, resumed optimizer/schedule state,
         # disk check, health checks, metrics, validation, profiler; RNG state last
     run.train(save_checkpoint)                 # the loop below; returns the exit status
@@ -35,10 +35,14 @@ from torchtune_ext import distributed as parallel
 from torchtune_ext.checkpoint import (
     CheckpointManager,
     Progress,
+    expected_checkpoint_bytes,
     latest_checkpoint,
     load_recipe_state,
     set_rng_state,
 )
+from torchtune_ext.control.preemption import GracefulStop
+from torchtune_ext.control.rollback import output_dir_unchanged_on_error
+from torchtune_ext.control.run_lock import OutputDirLock, check_not_in_use
 from torchtune_ext.data import build_step_loader
 from torchtune_ext.evaluate import Validator, build_val_loader
 from torchtune_ext.loss import build_loss
@@ -46,10 +50,8 @@ from torchtune_ext.memory import MemoryGuard
 from torchtune_ext.metrics import StepReporter, build_metric_logger
 from torchtune_ext.models import build_tokenizer
 from torchtune_ext.optim_in_bwd import build_optimizer
-from torchtune_ext.preemption import GracefulStop
 from torchtune_ext.preflight import check_components
-from torchtune_ext.resume import check_resume, restore_training
-from torchtune_ext.run_lock import OutputDirLock
+from torchtune_ext.resume import check_resume, check_resume_point, restore_training
 from torchtune_ext.runtime import build_profiler, keep_freed_cpu_memory, set_log_level
 from torchtune_ext.step import StepHealth, build_lr_scheduler, train_step
 
@@ -138,20 +140,25 @@ class TrainingRun:
         return self.checkpoints.load(resume_from, adapter=adapter)
 
     def setup_training(self, model: torch.nn.Module, trainable_parameters: Iterable[torch.nn.Parameter], *,
-                       checkpoint_bytes: Callable[[torch.optim.Optimizer], int]) -> None:
+                       lora: bool = False) -> None:
         """Everything after the model: optimizer to profiler, then the resumed RNG state.
 
         Args:
             model: the recipe's model, built, wrapped (FSDP2 when distributed)
-                and loaded, its loss output projection taken.
+                and loaded. From here on it returns its final hidden states and
+                the loss applies its output projection, to the trainable rows only
+                (:meth:`torchtune_ext.loss.SummedCrossEntropyLoss.take_output_projection`).
             trainable_parameters: what the optimizer updates (the step's grad
                 norm and clipping cover exactly these).
-            checkpoint_bytes: the size of one checkpoint given the optimizer,
-                e.g. ``partial(torchtune_ext.checkpoint.expected_checkpoint_bytes, model)``;
-                the start-up disk check refuses to train without room for one.
+            lora: the checkpoints hold an adapter (and, unless
+                ``save_adapter_weights_only``, the merged model): the start-up
+                disk check sizes them so
+                (:func:`torchtune_ext.checkpoint.expected_checkpoint_bytes`).
         """
         cfg = self.cfg
         self.model = model
+        self.loss_fn.take_output_projection(model)  # the model returns hidden states; the loss projects
+        self.log_model(model)
         self.optimizer = build_optimizer(cfg.optimizer, trainable_parameters, cfg.optimizer_in_bwd)
         self._memory_guard = MemoryGuard(model, self.device, self.optimizer, activation_dtype=self.dtype,
                                          limit=cfg.once_per_step_memory_limit)
@@ -161,7 +168,9 @@ class TrainingRun:
                                             device=self.device) if self.distributed else None)
             restore_training(self._resumed, cfg, self.optimizer, self.lr_scheduler, dp_world_size=self.world_size,
                              rank=self.rank, load_optimizer_state=load_optimizer_state)
-        self.checkpoints.announce(checkpoint_bytes(self.optimizer), self.progress, self.data, cfg)
+        size = expected_checkpoint_bytes(model, self.optimizer, lora=lora,
+                                         adapter_only=bool(cfg.get("save_adapter_weights_only", False)))
+        self.checkpoints.announce(size, self.progress, self.data, cfg)  # refuses to start without room for one
 
         self._health = StepHealth(cfg.output_dir, skip_nonfinite_steps=cfg.skip_nonfinite_steps,
                                   loss_spike_nats=cfg.loss_spike_nats, start_step=self.progress.step)
@@ -183,7 +192,7 @@ class TrainingRun:
 
         Returns:
             int: the exit status: 0, or 75 after a signal's checkpoint
-            (:class:`torchtune_ext.preemption.GracefulStop`).
+            (:class:`torchtune_ext.control.preemption.GracefulStop`).
         """
         cfg, progress = self.cfg, self.progress
         keep_freed_cpu_memory(self.device)  # CPU: each step reuses the last one's pages instead of faulting them in
@@ -258,18 +267,51 @@ class TrainingRun:
             parallel.destroy_process_group()
 
 
+class FinetuneRecipe:
+    """What every recipe class shares: a :class:`TrainingRun`, ``train()`` and ``cleanup()``.
+
+    A recipe subclasses it once and adds ``setup()`` (the order of setup,
+    with its own model), the building of its model, and ``save_checkpoint()``
+    (what its checkpoint holds). ``distributed = True``: data parallel with FSDP2.
+
+    Args:
+        cfg (DictConfig): a config already checked by :func:`torchtune_ext.config.validate`.
+    """
+
+    distributed = False
+
+    def __init__(self, cfg: DictConfig) -> None:
+        self.cfg = cfg
+        self.run = TrainingRun(cfg, distributed=self.distributed)  # device, dtype, process group, seed, signals
+
+    def train(self) -> int:
+        """Train to the end or to a stop; returns the exit status (:meth:`TrainingRun.train`)."""
+        return self.run.train(self.save_checkpoint)
+
+    def save_checkpoint(self) -> Path:
+        raise NotImplementedError("a recipe says what its checkpoint holds")
+
+    def cleanup(self) -> None:
+        self.run.cleanup()
+
+
 def run_recipe(recipe_class: Type, cfg: DictConfig, extra_keys: Optional[Dict[str, recipe_config.Key]] = None) -> int:
     """Validate ``cfg``, then set up, train and clean up one ``recipe_class(cfg)``; returns the exit status.
 
-    If setup fails, what appeared in ``output_dir`` after this run took its
-    lock is removed again (:func:`torchtune_ext.config.output_dir_unchanged_on_error`);
+    Before any work: the config (:func:`torchtune_ext.config.validate`), that
+    no other run holds ``output_dir``, and where the run starts
+    (:func:`torchtune_ext.resume.check_resume_point`). If setup fails, what
+    appeared in ``output_dir`` after this run took its lock is removed again
+    (:func:`torchtune_ext.control.rollback.output_dir_unchanged_on_error`);
     a run refused the lock touches nothing, and training's writes are never
     rolled back. A run that finishes names once more the config keys it
     ignored (the warning at its start is long out of sight by then).
     """
     cfg = recipe_config.validate(cfg, extra_keys=extra_keys)
+    check_not_in_use(cfg.output_dir)  # another run's folder: nothing more is looked at
+    check_resume_point(cfg)
     recipe = recipe_class(cfg)
-    with recipe_config.output_dir_unchanged_on_error(cfg.output_dir):
+    with output_dir_unchanged_on_error(cfg.output_dir):
         recipe.setup()
     status = recipe.train()
     if status == 0:  # a stop's line (exit 75) stays the last one

@@ -13,7 +13,8 @@ from torchtune.modules.peft import validate_missing_and_unexpected_for_lora
 
 from torchtune_ext import checkpoint
 from torchtune_ext.checkpoint import check_adapter_fits
-from torchtune_ext.config import ConfigError, lora_settings
+from torchtune_ext.config import lora_settings
+from torchtune_ext.errors import ConfigError
 from torchtune_ext.models import is_hf_model
 
 # load(state_dict) -> (missing keys, unexpected keys), as nn.Module.load_state_dict(strict=False) returns them

@@ -28,6 +28,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from torchtune_ext.config import check_output_chunks, resolve_component
+from torchtune_ext.errors import ConfigError
+
 CROSS_ENTROPY_IGNORE_INDEX = -100
 
 # Names of the token metrics :class:`SummedCrossEntropyLoss` sums, in a fixed
@@ -185,7 +188,7 @@ class OutputProjection:
     auxiliary: Dict[str, Tuple[Callable[[], Optional[torch.Tensor]], float]] = field(default_factory=dict)
 
 
-def _output_width(output: Any) -> Optional[int]:
+def output_width(output: Any) -> Optional[int]:
     """Vocabulary size of a torchtune output projection (``nn.Linear``, LoRA/DoRA linear, ``TiedLinear``)."""
     for name in ("out_features", "out_dim"):
         if isinstance(getattr(output, name, None), int):
@@ -308,7 +311,7 @@ class SummedCrossEntropyLoss(nn.Module):
         output, norm = model.output, model.norm
         model.unembed = lambda h: norm(h)  # instance attribute: the class's unembed is untouched
         self._project = lambda rows: output(rows)
-        self.vocab_size = _output_width(output)
+        self.vocab_size = output_width(output)
 
     def _log_probs(self, rows: torch.Tensor) -> torch.Tensor:
         """``[rows, vocab]`` fp32 log-probabilities of ``[rows, hidden]`` hidden states or ``[rows, vocab]`` logits."""
@@ -415,16 +418,14 @@ def build_loss(cfg_loss, compile: bool = False, log_replacement: bool = True) ->
             (``loss.num_output_chunks``) neither ``auto`` nor a positive integer.
     """
     from omegaconf import OmegaConf
-    from torchtune import config as tt_config, utils
-
-    from torchtune_ext.config import ConfigError, check_output_chunks
+    from torchtune import config as tt_config
+    from torchtune import utils
 
     component = str(cfg_loss.get("_component_"))
     not_exact = ConfigError("loss", f"{component} cannot be normalized exactly across micro-batches; use "
-                            "torchtune_ext.loss.SummedCrossEntropyLoss or torchtune.modules.loss.CEWithChunkedOutputLoss")
+                            "torchtune_ext.loss.SummedCrossEntropyLoss or "
+                            "torchtune.modules.loss.CEWithChunkedOutputLoss")
     if component not in _TORCHTUNE_CE_LOSSES:
-        from torchtune_ext.preflight import resolve_component
-
         target = resolve_component(component)
         if isinstance(target, type) and not issubclass(target, SummedCrossEntropyLoss):
             raise not_exact  # before its arguments: ours (num_output_chunks) would not be its own

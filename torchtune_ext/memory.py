@@ -19,7 +19,8 @@ sample, with logits for every position (``baseline``, from
 torchtune's recipe fits with ours, whatever the data; once per step runs
 where it is cheap (a step whose micro-batches are small next to one padded
 micro-batch with its vocabulary-wide logits). ``limit="device"`` drops that
-bound: once per step whenever the device has the memory. The estimate is an upper bound by design: falling back costs little
+bound: once per step whenever the device has the memory. The estimate is an
+upper bound by design: falling back costs little
 (the same work, one backward per micro-batch); running out of memory costs the
 run (on CPU the kernel kills the process; a CUDA out-of-memory error is caught
 by the training step and the step redone per micro-batch, single process only).
@@ -42,17 +43,17 @@ width, heads, LoRA rank and dropout, fp32 and bf16; ``tests/test_memory.py``
 checks the formula against such counts.
 """
 
-import os
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torchtune import utils
 
-from torchtune_ext.checkpoint import format_bytes
+from torchtune_ext import ranks
+from torchtune_ext.loss import output_width, rows_per_output_chunk
 from torchtune_ext.runtime import allocator_free_bytes
+from torchtune_ext.text import format_bytes
 
 # torchtune's logger: the recipes' lines show; a mode change under backward=auto is DEBUG (log_level: DEBUG)
 log = utils.get_logger("INFO")
@@ -195,8 +196,6 @@ def step_peak_bytes(shape: ModelShape, micro_batches: Sequence[MicroBatchShape],
     """
     if not micro_batches:
         return 0
-    from torchtune_ext.loss import rows_per_output_chunk
-
     chunk_rows = min(max(mb.trainable_rows for mb in micro_batches),
                      rows_per_output_chunk("auto", 0, shape.vocab_size))
     if once_per_step:
@@ -246,7 +245,7 @@ def available_memory_bytes(device: torch.device) -> Optional[int]:
     if headroom is not None:
         available = headroom if available is None else min(available, headroom)
     # Processes of one job on this host share its memory (torchrun sets LOCAL_WORLD_SIZE).
-    local_processes = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
+    local_processes = max(ranks.local_world_size() or 1, 1)
     return None if available is None else available // local_processes + allocator_free_bytes()
 
 
@@ -293,9 +292,7 @@ def model_shape(model: nn.Module, activation_dtype: Optional[torch.dtype] = None
     trainable = [p for p in model.parameters() if p.requires_grad]
     gradient_bytes = sum(_local_numel(p) * p.element_size() for p in trainable)
     unsharded_gradient_bytes = sum(p.numel() * p.element_size() for p in trainable)  # a DTensor's numel is global
-    from torchtune_ext.loss import _output_width
-
-    vocab = _output_width(getattr(model, "output", None)) or model.tok_embeddings.num_embeddings
+    vocab = output_width(getattr(model, "output", None)) or model.tok_embeddings.num_embeddings
     checkpointed = any("checkpoint" in type(m).__name__.lower() for m in layer.modules()) or \
         "checkpoint" in type(layer).__name__.lower()
     return ModelShape(
@@ -467,8 +464,8 @@ class MemoryGuard:
         self.once_per_step = once_per_step
         if self.shape is None:
             return
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else None
-        several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        rank = ranks.rank() if ranks.in_process_group() else None
+        several = ranks.several_processes()
         why = self._why_not or "peer"
         if once_per_step:
             if rank in (None, 0):
@@ -513,7 +510,7 @@ class MemoryGuard:
         self.warned_once_per_step = True
         if not self._own_shortage:
             return
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else None
+        rank = ranks.rank() if ranks.in_process_group() else None
         where = "" if rank is None else f" on rank {rank}"
         need = step_peak_bytes(self.shape, micro_batches, once_per_step=True)
         log.warning("Step %d: backward=once_per_step needs about %s (estimated), %s available%s (a step plans "

@@ -22,7 +22,8 @@ from torchtune.modules import TransformerDecoder
 from torchtune.modules.peft import LORA_ATTN_MODULES
 
 from torchtune_ext import checkpoint, distributed
-from torchtune_ext.config import ConfigError, UserError, lora_settings
+from torchtune_ext.config import lora_settings
+from torchtune_ext.errors import ConfigError, UserError
 
 # Plain RoPE; see the module docstring.
 _NO_ROPE_SCALING = 1

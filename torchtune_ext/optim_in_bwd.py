@@ -18,7 +18,7 @@ gradient:
   run before the step's other micro-batches exist in per-micro-batch mode).
 
 The gradient norm is still logged: each hook adds the squares of its
-gradient (float64 block sums, as :func:`torchtune_ext.step.grad_norm_and_clip`)
+gradient (float64 block sums, :func:`torchtune_ext.grad_norm.sum_of_squares`)
 before the update, and :meth:`OptimizerInBackward.grad_norm` sums them over
 ranks after backward. A non-finite gradient is found only after the
 parameters were updated, so the run stops (it cannot skip such a step).
@@ -36,6 +36,8 @@ from typing import Any, Callable, Dict, Iterable, List
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+
+from torchtune_ext.grad_norm import sum_of_squares
 
 
 class OptimizerInBackward(torch.optim.Optimizer):
@@ -69,8 +71,6 @@ class OptimizerInBackward(torch.optim.Optimizer):
             param.register_post_accumulate_grad_hook(self._make_hook(optimizer))
 
     def _make_hook(self, optimizer: torch.optim.Optimizer) -> Callable[[torch.Tensor], None]:
-        from torchtune_ext.step import _sum_of_squares as sum_of_squares
-
         def hook(param: torch.Tensor) -> None:
             grad = param.grad
             if isinstance(grad, DTensor):

@@ -26,11 +26,9 @@ cheaply:
 7. the tokenizer builds from its files, and formats a chat where the
    datasets give it messages (:func:`torchtune_ext.tokenizer.check_tokenizer`).
 
-Every problem is a :class:`~torchtune_ext.config.ConfigError` naming the key.
+Every problem is a :class:`~torchtune_ext.errors.ConfigError` naming the key.
 """
 
-import difflib
-import importlib
 import inspect
 from typing import Any, Dict, Iterator, Optional, Tuple
 
@@ -38,39 +36,12 @@ import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from torchtune import config as tt_config
 
-from torchtune_ext.config import PROFILER_COMPONENT, ConfigError, UserError, check_output_dir, enabled
+from torchtune_ext.config import PROFILER_COMPONENT, check_output_dir, enabled, resolve_component
+from torchtune_ext.errors import ConfigError, UserError
 from torchtune_ext.loss import SummedCrossEntropyLoss, build_loss
+from torchtune_ext.models import nf4_error, quantizes_base
+from torchtune_ext.text import closest, short
 from torchtune_ext.tokenizer import check_tokenizer
-
-
-def resolve_component(path: str) -> Any:
-    """The object a ``_component_`` dotted path names, importing as needed.
-
-    Raises:
-        ValueError: no such module or attribute (the message names the part
-            that is missing). Errors raised while importing an existing
-            module propagate.
-    """
-    parts = path.split(".")
-    if not path or not all(parts):
-        raise ValueError(f"'{path}' is not a dotted path such as torch.optim.AdamW")
-    module, found = None, 0
-    for i in range(len(parts), 0, -1):
-        name = ".".join(parts[:i])
-        try:
-            module, found = importlib.import_module(name), i
-            break
-        except ModuleNotFoundError as err:
-            if err.name is None or not (name == err.name or name.startswith(err.name + ".")):
-                raise  # an existing module failed to import one of its own dependencies
-    if module is None:
-        raise ValueError(f"there is no module '{parts[0]}' (is its package installed?)")
-    obj = module
-    for j in range(found, len(parts)):
-        if not hasattr(obj, parts[j]):
-            raise ValueError(f"'{'.'.join(parts[:j])}' has no attribute '{parts[j]}'")
-        obj = getattr(obj, parts[j])
-    return obj
 
 
 def _components(node: Any, key: str = "") -> Iterator[Tuple[str, DictConfig]]:
@@ -109,18 +80,13 @@ def _check_arguments(key: str, target: Any, node: DictConfig, path: Optional[str
             continue
         if name not in params:
             if not takes_any:
-                match = difflib.get_close_matches(str(name), list(params), n=1)
-                hint = f"; did you mean '{match[0]}'?" if match else ""
+                match = closest(str(name), params)
+                hint = f"; did you mean '{match}'?" if match else ""
                 raise ConfigError(f"{key}.{name}", f"is not an argument of {path}{hint}")
             continue
         value = OmegaConf.to_object(node[name]) if OmegaConf.is_config(node[name]) else node[name]
         if isinstance(value, str) and _number_expected(params[name]):
             raise ConfigError(f"{key}.{name}", f"{path} expects a number, got {value!r}")
-
-
-def _short(err: BaseException) -> str:
-    text = " ".join(str(err).split())
-    return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 
 def check_components(cfg: DictConfig, device: torch.device) -> None:
@@ -180,7 +146,7 @@ def _check_metric_logger(cfg: DictConfig) -> None:
         try:
             wandb.Settings(**{field: tuple(value) if isinstance(value, list) else value})
         except pydantic.ValidationError as err:
-            reason = err.errors()[0]["msg"] if err.errors() else _short(err)
+            reason = err.errors()[0]["msg"] if err.errors() else short(err, with_cause=False)
             raise ConfigError(f"metric_logger.{key}", f"W&B rejects {value!r}: {reason}") from None
         except wandb.errors.UsageError as err:  # W&B's own validators (a project name with '/' or '#')
             raise ConfigError(f"metric_logger.{key}", f"W&B rejects {value!r}: {err}") from None
@@ -245,16 +211,15 @@ def _check_model(cfg_model: DictConfig, packed_row_tokens: Optional[int] = None,
     except UserError:
         raise  # the builder's own line names its key (torchtune_ext.hf: model.path, model.attn_implementation)
     except Exception as err:
-        from torchtune_ext.models import nf4_error, quantizes_base
-
         if isinstance(err, AssertionError) and quantizes_base(cfg_model):
             raise nf4_error(err) from None
         if adapter_on_output and "apply_lora_to_output" in str(err):
             if cfg_model.get("tie_word_embeddings", True):
                 raise ConfigError("model.apply_lora_to_output", tied) from None
-            raise ConfigError("model.apply_lora_to_output", f"{path} does not support it ({_short(err)}); "
+            raise ConfigError("model.apply_lora_to_output",
+                              f"{path} does not support it ({short(err, with_cause=False)}); "
                               "set model.apply_lora_to_output=false") from None
-        raise ConfigError("model", f"{path} cannot build this model: {_short(err)}") from None
+        raise ConfigError("model", f"{path} cannot build this model: {short(err, with_cause=False)}") from None
     limit = _remember_limit(cfg_model, model)
     if limit is not None and isinstance(tokenizer_max_seq_len, int) and tokenizer_max_seq_len > limit:
         # torchtune's decoder refuses a longer input at the first forward, after the logs and W&B started
@@ -279,11 +244,11 @@ def _check_optimizer(cfg: DictConfig, device: torch.device) -> None:
     try:
         optimizer = tt_config.instantiate(cfg.optimizer, [dummy])
     except Exception as err:
-        raise ConfigError("optimizer", f"{path} rejects these settings: {_short(err)}") from None
+        raise ConfigError("optimizer", f"{path} rejects these settings: {short(err, with_cause=False)}") from None
     if enabled(cfg.get("lr_scheduler")) is None:
         return
     try:
         tt_config.instantiate(cfg.lr_scheduler, optimizer, num_training_steps=1000)
     except Exception as err:
         raise ConfigError("lr_scheduler", f"{cfg.lr_scheduler._component_} rejects these settings: "
-                          f"{_short(err)}") from None
+                          f"{short(err, with_cause=False)}") from None

@@ -31,6 +31,7 @@ on, and says in one line what changed; nothing is ignored in silence:
   may change (a changed setting, reported).
 """
 
+import os
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -38,8 +39,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torchtune.utils import get_logger
 
-from torchtune_ext.checkpoint import ResumeState
-from torchtune_ext.config import ConfigError, lora_settings
+from torchtune_ext.checkpoint import ResumeState, incomplete_checkpoints, latest_checkpoint, verify_checkpoint
+from torchtune_ext.config import lora_settings
+from torchtune_ext.errors import ConfigError
 
 log = get_logger()
 
@@ -136,6 +138,54 @@ def _check_same_kind_of_model(resumed: ResumeState, cfg: DictConfig) -> None:
         raise ConfigError("model", f"the adapter in {where} was trained with other LoRA settings "
                           f"({', '.join(changed)}), so its weights do not fit this model; resume with the settings "
                           "it was trained with, or start a new run in another output_dir")
+
+
+def check_resume_point(cfg: DictConfig) -> None:
+    """Before setup: a resume has a complete, intact checkpoint to start from; a new run writes over none.
+
+    Call it once the config is valid (:func:`torchtune_ext.config.validate`) and
+    the folder is known not to be another run's
+    (:func:`torchtune_ext.control.run_lock.check_not_in_use`).
+
+    Raises:
+        ConfigError: (key ``resume_from_checkpoint``) ``resume_from_checkpoint``
+            without a complete checkpoint (``step_<N>/`` with its manifest) in
+            ``output_dir``, or the newest fails
+            :func:`torchtune_ext.checkpoint.verify_checkpoint` (with
+            ``verify_checkpoint_hashes``, its SHA-256 too); (key
+            ``output_dir``) a later ``step_<N>`` folder without a manifest, which
+            a save of this run would collide with; a new run in a folder that
+            holds checkpoints of a run; a folder that cannot be read.
+    """
+    if cfg.resume_from_checkpoint:
+        latest = latest_checkpoint(cfg.output_dir)
+        if latest is None:
+            raise ConfigError(
+                "resume_from_checkpoint",
+                f"no complete checkpoint (step_<N>/ with checkpoint.json) in output_dir '{cfg.output_dir}'",
+            )
+        for folder in incomplete_checkpoints(cfg.output_dir):
+            # A later save of that step would collide with it; an earlier one is merely ignored.
+            if int(folder.name.split("_")[1]) > int(latest.name.split("_")[1]):
+                raise ConfigError("output_dir", f"'{folder}' has no checkpoint.json, so it is not a complete "
+                                  f"checkpoint and this run would later save over it; move it out of "
+                                  f"'{cfg.output_dir}' (resuming continues from '{latest}')")
+            log.warning("'%s' has no checkpoint.json: not a complete checkpoint, ignored.", folder)
+        verify_checkpoint(latest, content=cfg.verify_checkpoint_hashes)  # before anything loads from it
+    elif any(name.startswith("step_") for name in _listdir(cfg.output_dir)):
+        raise ConfigError(
+            "output_dir",
+            f"'{cfg.output_dir}' already holds checkpoints of a run; set resume_from_checkpoint=true to "
+            "continue it, or choose another output_dir (nothing is overwritten)",
+        )
+
+
+def _listdir(path: str):
+    try:
+        return os.listdir(path) if os.path.isdir(path) else []
+    except OSError as err:  # no read permission: which checkpoints it holds cannot be told
+        raise ConfigError("output_dir", f"'{path}' cannot be read ({type(err).__name__}: {err}); give this user "
+                          f"read access to it (e.g. chmod u+rwx '{path}') or choose another output_dir") from None
 
 
 def check_resume(resumed: ResumeState, cfg: DictConfig) -> None:

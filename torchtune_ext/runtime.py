@@ -32,22 +32,25 @@ from torch import nn
 from torchtune_ext.models import decoder_layer_classes, is_hf_model
 
 
-def wrap_activations(model: nn.Module, *, checkpointing: bool, offloading: bool) -> None:
-    """Activation checkpointing per decoder layer, then offloading, as the config keys ask.
+def wrap_model(model: nn.Module, *, checkpointing: bool, offloading: bool, compile: bool) -> None:
+    """Activation checkpointing per decoder layer, offloading and compiling, as the config keys ask.
 
     ``enable_activation_checkpointing``: each decoder layer
     (:func:`torchtune_ext.models.decoder_layer_classes`: torchtune's
     ``TransformerSelfAttentionLayer``, or a transformers model's
     ``_no_split_modules``) recomputes its forward in backward instead of
     keeping its activations (torchtune's ``set_activation_checkpointing``);
-    ``enable_activation_offloading``: :func:`offload_activations`. Call
-    before FSDP sharding and compiling.
+    ``enable_activation_offloading``: :func:`offload_activations`; ``compile``:
+    torchtune's ``compile_model`` (each layer compiled at its first forward).
+    Call before FSDP sharding.
     """
-    if checkpointing:
-        from torchtune import training
+    from torchtune import training
 
+    if checkpointing:
         training.set_activation_checkpointing(model, auto_wrap_policy=set(decoder_layer_classes(model)))
     offload_activations(model, offloading)
+    if compile:
+        training.compile_model(model)
 
 
 def offload_activations(model: nn.Module, enabled: bool) -> None:

@@ -48,7 +48,8 @@ from torchtune.modules.transforms.tokenizers import HuggingFaceBaseTokenizer, Mo
 from torchtune.utils import get_logger
 
 from torchtune_ext.assets import check_asset
-from torchtune_ext.config import ConfigError, enabled, validation_enabled
+from torchtune_ext.config import enabled, validation_enabled
+from torchtune_ext.errors import ConfigError
 
 log = get_logger()  # torchtune's logger, which the recipes' lines go through too
 

@@ -19,6 +19,15 @@ leaves every format question to transformers:
 
 A saved folder is again a model folder: ``from_pretrained`` loads it, and it
 is what a resumed run loads from.
+
+With ``text_only``, an image-text folder (Gemma 3 4B+, Llama 4, ...) loads
+with its own transformers class (which knows every layout its files may
+have), and the state dict is its language model's, in the keys of the causal
+LM class of its ``text_config`` (:func:`torchtune_ext.hf.model.language_model_keys`);
+the vision tower and projector are dropped (one log line names them). A
+saved step is then a text model's folder: that class's ``config.json`` and
+weights, the image-text folder's ``generation_config`` and tokenizer files,
+and no image processor files.
 """
 
 import logging
@@ -32,9 +41,9 @@ from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
 from torchtune_ext.checkpoint import ADAPTER_DIR, MANIFEST, RECIPE_STATE
-from torchtune_ext.config import ConfigError
+from torchtune_ext.errors import ConfigError
 from torchtune_ext.hf.lora import peft_model_from_state
-from torchtune_ext.hf.model import check_model_folder
+from torchtune_ext.hf.model import language_model_keys, read_model_folder
 
 log = logging.getLogger(__name__)
 
@@ -42,17 +51,21 @@ MODEL_KEY, ADAPTER_KEY, ADAPTER_CONFIG_KEY = "model", "adapter", "adapter_config
 # Files of a model folder that the saved folder gets from save_pretrained, or that are not the model's.
 _WRITTEN_BY_SAVE = ("config.json", "generation_config.json", MANIFEST, RECIPE_STATE)
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json", ".msgpack", ".h5")
+# An image-text folder's image (and video) processor settings: a text model's folder has no use for them.
+_IMAGE_PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
 
 
 def _is_weights(name: str) -> bool:
     return name.endswith(_WEIGHT_SUFFIXES)
 
 
-def tokenizer_files(folder: Union[str, Path]) -> List[Path]:
+def tokenizer_files(folder: Union[str, Path], text_only: bool = False) -> List[Path]:
     """The files a saved folder copies from the folder it loaded from: every top-level file that is neither
-    weights nor written by ``save_pretrained`` (tokenizer files, chat template, README, license)."""
+    weights nor written by ``save_pretrained`` (tokenizer files, chat template, README, license); with
+    ``text_only`` (the language model of an image-text folder) not the image processor's files either."""
+    skip = set(_WRITTEN_BY_SAVE) | (set(_IMAGE_PROCESSOR_FILES) if text_only else set())
     return sorted(p for p in Path(folder).iterdir()
-                  if p.is_file() and p.name not in _WRITTEN_BY_SAVE and not _is_weights(p.name))
+                  if p.is_file() and p.name not in skip and not _is_weights(p.name))
 
 
 @contextmanager
@@ -79,20 +92,23 @@ class HFCheckpointer:
             (the checkpoint manager names them when it resumes). transformers
             reads the folder's weights itself (``model.safetensors`` or its index).
         trust_remote_code: allow a model whose code ships in the folder (as ``model.trust_remote_code``).
+        text_only: as ``model.text_only`` (configs/hf/*.yaml set it from there):
+            an image-text folder gives its language model's weights (see the module docstring).
 
     Raises:
-        ConfigError: (key ``checkpointer.checkpoint_dir``) see
-            :func:`torchtune_ext.hf.check_model_folder`; (``checkpointer.checkpoint_files``)
+        ConfigError: (key ``checkpointer.checkpoint_dir``, ``checkpointer.text_only``) see
+            :func:`torchtune_ext.hf.model.read_model_folder`; (``checkpointer.checkpoint_files``)
             a named file that is not in the folder.
     """
 
     def __init__(self, checkpoint_dir: Union[str, Path], output_dir: Union[str, Path],
-                 checkpoint_files: Optional[List[str]] = None, trust_remote_code: bool = False):
+                 checkpoint_files: Optional[List[str]] = None, trust_remote_code: bool = False,
+                 text_only: bool = False):
         self._checkpoint_dir = Path(str(checkpoint_dir))
         self._output_dir = Path(str(output_dir))
         self._trust_remote_code = trust_remote_code
-        check_model_folder(self._checkpoint_dir, key="checkpointer.checkpoint_dir",
-                           trust_remote_code=trust_remote_code)
+        self._folder = read_model_folder(self._checkpoint_dir, key="checkpointer.checkpoint_dir",
+                                         trust_remote_code=trust_remote_code, text_only=text_only)
         for name in list(checkpoint_files or []):
             if not (self._checkpoint_dir / str(name)).is_file():
                 raise ConfigError("checkpointer.checkpoint_files", f"'{self._checkpoint_dir / str(name)}' does not "
@@ -102,27 +118,52 @@ class HFCheckpointer:
         self._output_dir.mkdir(parents=True, exist_ok=True)  # as torchtune's checkpointers do
 
     def load_checkpoint(self) -> Dict[str, Any]:
-        """``{"model": state_dict}``: the folder's weights as transformers' model holds them, on CPU, in the files' dtype.
+        """``{"model": state_dict}``: the folder's weights as transformers' model holds them, on CPU, in the
+        files' dtype.
+
+        With ``text_only`` on an image-text folder, its language model's
+        weights in the text model's keys (``model.language_model.layers.0...``
+        -> ``model.layers.0...``); the rest of the folder is dropped, said in one log line.
 
         Raises:
             ConfigError: (key ``checkpointer.checkpoint_dir``) weights the model
-                expects are missing from the files, or have another shape.
+                (text_only: its language model) expects are missing from the
+                files, or have another shape.
         """
+        image_text = self._folder.image_text
+        model_class = image_text.model_class if image_text is not None else AutoModelForCausalLM
         with _no_progress_bars():
-            model, info = AutoModelForCausalLM.from_pretrained(
+            model, info = model_class.from_pretrained(
                 str(self._checkpoint_dir), dtype="auto", trust_remote_code=self._trust_remote_code,
                 output_loading_info=True)
-        problems = [f"{key} missing" for key in sorted(info.get("missing_keys") or [])]
+        keys = self._language_model_keys(model) if image_text is not None else None
+        wanted = set(keys.values()) if keys is not None else None  # a folder without its vision tower is fine
+        problems = [f"{key} missing" for key in sorted(info.get("missing_keys") or [])
+                    if wanted is None or key in wanted]
         problems += [f"{item[0] if isinstance(item, tuple) else item} has another shape"
-                     for item in info.get("mismatched_keys") or []]
+                     for item in info.get("mismatched_keys") or []
+                     if wanted is None or (item[0] if isinstance(item, tuple) else item) in wanted]
         if problems:
             raise ConfigError("checkpointer.checkpoint_dir", f"the weights in '{self._checkpoint_dir}' do not fit "
                               f"its config.json: {'; '.join(problems[:3])}")
         if info.get("unexpected_keys"):
             log.warning("%s: weights the model does not use were not loaded: %s", self._checkpoint_dir,
                         ", ".join(sorted(info["unexpected_keys"])[:5]))
-        self._config, self._generation_config = model.config, model.generation_config
-        return {MODEL_KEY: model.state_dict()}
+        self._config = model.config if image_text is None else self._folder.config  # the text model's
+        self._generation_config = model.generation_config
+        if keys is None:
+            return {MODEL_KEY: model.state_dict()}
+        full = model.state_dict()
+        log.info("%s: %s (text_only): its language model trains as %s; %s (%s parameters) neither trained nor saved",
+                 self._checkpoint_dir, image_text.model_class.__name__, image_text.text_class.__name__,
+                 ", ".join(image_text.dropped), f"{image_text.dropped_parameters:,}")
+        return {MODEL_KEY: {text_key: full[key] for text_key, key in keys.items()}}
+
+    def _language_model_keys(self, model) -> Dict[str, str]:
+        """The loaded image-text model's keys of its language model, by the text model's keys."""
+        with torch.device("meta"):
+            text = AutoModelForCausalLM.from_config(self._folder.config)
+        return language_model_keys(model, text)
 
     def _skeleton(self, dtype: torch.dtype):
         """The model on the meta device, for ``save_pretrained`` (which knows the weight conversions to undo)."""
@@ -164,7 +205,7 @@ class HFCheckpointer:
                 dtype = next((t.dtype for t in model_state.values() if t.is_floating_point()), torch.float32)
                 self._skeleton(dtype).save_pretrained(str(folder), state_dict=model_state)
         if not adapter_only:
-            for path in tokenizer_files(self._checkpoint_dir):
+            for path in tokenizer_files(self._checkpoint_dir, text_only=self._folder.image_text is not None):
                 shutil.copy2(path, folder / path.name)
         return folder
 

@@ -31,7 +31,7 @@ from peft.tuners.lora import LoraLayer
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from torchtune_ext.config import ConfigError
+from torchtune_ext.errors import ConfigError
 from torchtune_ext.hf.model import causal_lm, decoder_layer_classes
 
 ADAPTER = "default"  # PEFT's adapter name

@@ -24,9 +24,14 @@ that without model code of our own:
   after its matmul (Gemma 2/3 ``final_logit_softcapping``, Cohere's
   ``logit_scale``, Granite's ``logits_scaling``), read from the class's own
   forward so that an unknown head transform is refused rather than dropped
-  (:func:`_head_transforms`).
+  (:func:`_head_transforms`);
+* an image-text folder (Gemma 3 4B+, Llama 4, ...) is refused unless
+  ``text_only``, which builds its language model alone, as the causal LM
+  class of its ``text_config`` (:func:`read_model_folder`; the checkpointer
+  takes its weights out of the image-text model: :func:`language_model_keys`).
 """
 
+import copy
 import inspect
 import json
 import re
@@ -42,11 +47,15 @@ from torch import nn
 from torchtune import training
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING,
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+)
 from transformers.utils import is_flash_attn_2_available
 
 from torchtune_ext import distributed
-from torchtune_ext.config import ConfigError
+from torchtune_ext.errors import ConfigError
 from torchtune_ext.loss import OutputProjection
 
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flex_attention")
@@ -81,13 +90,61 @@ def _multimodal_parts(config: Any) -> List[str]:
                   if name != "text_config" and getattr(config, name, None) is not None)
 
 
+def _sibling(key: str, name: str) -> str:
+    """The config key ``name`` beside ``key`` (``model.path`` -> ``model.<name>``)."""
+    return key.rsplit(".", 1)[0] + "." + name if "." in key else name
+
+
+@dataclass(frozen=True)
+class ImageText:
+    """An image-text folder whose language model trains alone (``text_only``); see :func:`read_model_folder`.
+
+    Attributes:
+        model_class: the transformers class that loads the folder (``Gemma3ForConditionalGeneration``).
+        text_class: the causal LM class of its language model (``Gemma3ForCausalLM``).
+        dropped: the modules of ``model_class`` that the text model has no place for (vision tower,
+            projector), by name: neither trained nor saved.
+        dropped_parameters: how many parameters they hold.
+    """
+
+    model_class: type
+    text_class: type
+    dropped: Tuple[str, ...]
+    dropped_parameters: int
+
+
+@dataclass(frozen=True)
+class ModelFolder:
+    """What :func:`read_model_folder` found: ``config``, the config of the model that trains (for an
+    image-text folder under ``text_only``, its language model's); ``image_text``, None for a text model."""
+
+    config: Any
+    image_text: Optional[ImageText] = None
+
+
 def check_model_folder(path: Union[str, Path], *, key: str = "model.path", trust_remote_code: bool = False,
-                       attn_implementation: Optional[str] = None, device: Optional[Union[str, torch.device]] = None):
+                       attn_implementation: Optional[str] = None, device: Optional[Union[str, torch.device]] = None,
+                       text_only: bool = False):
     """Check that ``path`` holds a causal LM this transformers can build, before anything loads.
 
-    Reads only ``config.json`` (and, for ``trust_remote_code: true``, the
-    folder's configuration code). Call it from the config validation; the
-    builders call it too.
+    :func:`read_model_folder`'s ``config``: see there for the arguments and errors.
+    """
+    return read_model_folder(path, key=key, trust_remote_code=trust_remote_code,
+                             attn_implementation=attn_implementation, device=device, text_only=text_only).config
+
+
+def read_model_folder(path: Union[str, Path], *, key: str = "model.path", trust_remote_code: bool = False,
+                      attn_implementation: Optional[str] = None, device: Optional[Union[str, torch.device]] = None,
+                      text_only: bool = False) -> ModelFolder:
+    """Read the model folder ``path``: the config of the causal LM that trains, refusing what cannot train.
+
+    Reads ``config.json`` (and, for ``trust_remote_code: true``, the
+    folder's configuration code), never the weights: call it from the config
+    validation; the builders and the checkpointer call it too. For an
+    image-text folder under ``text_only`` it also builds the image-text
+    model and its language model on the meta device (no memory), to find
+    where the language model's weights sit and whether its output
+    projection is tied to the embedding.
 
     Args:
         path: the model folder (``model.path`` / ``checkpointer.checkpoint_dir``).
@@ -99,23 +156,31 @@ def check_model_folder(path: Union[str, Path], *, key: str = "model.path", trust
             ``flex_attention`` (CUDA).
         device: the training device, to refuse a CUDA-only attention elsewhere;
             None skips that check.
+        text_only: an image-text folder (Gemma 3 4B+, Llama 4, Mistral Small
+            3.1, Qwen3.5: a ``text_config`` beside a ``vision_config``) trains
+            its language model alone, as the causal LM class transformers has
+            for its ``text_config`` (:class:`ImageText`). A text model's folder
+            is read as without it (a saved step of such a run is one).
 
     Returns:
-        the model's ``transformers.PretrainedConfig``.
+        :class:`ModelFolder`.
 
     Raises:
         ConfigError: one line naming the key: no folder or no ``config.json``;
             a ``model_type`` this transformers does not know (naming its
             version); a model whose code is in the folder without
-            ``trust_remote_code``; a model that is not a text-only causal LM
-            (naming its class); an attention implementation that cannot run.
+            ``trust_remote_code``; a model that is not a causal LM (naming its
+            class); an image-text model without ``text_only`` (naming its
+            class and the key to set), or one whose language model
+            transformers cannot build alone or would compute other logits
+            with; an attention implementation that cannot run.
     """
     folder = Path(str(path)).expanduser()
     raw = _read_config_json(folder, key)
     model_type = raw["model_type"]
     auto_map = raw.get("auto_map") or {}
     known = model_type in CONFIG_MAPPING_NAMES
-    remote_key = key.rsplit(".", 1)[0] + ".trust_remote_code" if "." in key else "trust_remote_code"
+    remote_key = _sibling(key, "trust_remote_code")
     if not known:
         if not auto_map:
             raise ConfigError(key, f"model_type '{model_type}' in {folder / 'config.json'} is not known to "
@@ -130,7 +195,20 @@ def check_model_folder(path: Union[str, Path], *, key: str = "model.path", trust
                               "auto_map: it is not a causal language model")
     architectures = raw.get("architectures") or []
     declared = architectures[0] if architectures else None
-    if known:
+    try:
+        config = AutoConfig.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
+    except Exception as err:  # transformers raises ValueError, OSError, KeyError ... for a config it cannot read
+        raise ConfigError(key, f"transformers {_transformers_version()} cannot read {folder / 'config.json'}: "
+                          f"{str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
+    image_text = None
+    parts = _multimodal_parts(config)
+    if parts and known:
+        config, image_text = _language_model(config, declared, parts, key, text_only)
+    elif parts:
+        name = declared or type(config).__name__
+        raise ConfigError(key, f"{name} is a multimodal model ({', '.join(parts)}); these recipes train "
+                          "text-only causal LMs: use the folder of a text-only model")
+    elif known:
         causal_class = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
         if causal_class is None:
             raise ConfigError(key, f"{declared or model_type} (model_type '{model_type}') is not a causal language "
@@ -139,20 +217,145 @@ def check_model_folder(path: Union[str, Path], *, key: str = "model.path", trust
         if declared and declared != causal_class and not declared.endswith(("ForCausalLM", "LMHeadModel")):
             raise ConfigError(key, f"{declared} (in {folder / 'config.json'}) is not a causal language model; "
                               "these recipes train text-only causal LMs (AutoModelForCausalLM)")
+    if image_text is not None:
+        model_class = image_text.text_class
+    else:
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None) if known else None
+    _check_attention(attn_implementation, device, _sibling(key, "attn_implementation"), model_class)
+    return ModelFolder(config, image_text)
+
+
+# --------------------------------------------------------------------------- image-text folders (text_only)
+def _image_text_class(config: Any, declared: Optional[str]) -> Optional[type]:
+    """The transformers class that loads an image-text folder: the one its config.json declares, else the
+    image-text class transformers maps its config to."""
+    for name in (declared, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.get(config.model_type),
+                 MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)):
+        cls = getattr(transformers, name, None) if name else None
+        if isinstance(cls, type) and isinstance(config, getattr(cls, "config_class", None) or ()):
+            return cls
+    return None
+
+
+def language_model_keys(image_text: nn.Module, text: nn.Module) -> Dict[str, str]:
+    """Where each state dict entry of the text model sits in the image-text model.
+
+    Each top-level module of ``text`` (``model``, ``lm_head``) has one place in
+    ``image_text``: its output projection is ``image_text``'s
+    (``get_output_embeddings``), any other module the one module of the same
+    class (Gemma 3: ``model`` -> ``model.language_model``, a ``Gemma3TextModel``;
+    Llama 4: ``model`` -> ``language_model.model``).
+
+    Args:
+        image_text: the image-text model (on meta or loaded).
+        text: the causal LM of its language model (on meta).
+
+    Returns:
+        ``{text key: image_text key}`` for every entry of ``text.state_dict()``.
+
+    Raises:
+        ValueError: a module of ``text`` with no place, or with several, in
+            ``image_text``; an entry missing there or of another shape.
+    """
+    head = text.get_output_embeddings()
+    entries = text.state_dict()
+    owners = {key.partition(".")[0] for key in entries}  # modules without weights (a rotary embedding) need no place
+    places: Dict[str, str] = {}
+    for name, child in text.named_children():
+        if name not in owners:
+            continue
+        if child is head:
+            target = image_text.get_output_embeddings()
+            found = [n for n, m in image_text.named_modules() if target is not None and m is target]
+        else:
+            found = [n for n, m in image_text.named_modules() if type(m) is type(child)]
+        if len(found) != 1:
+            raise ValueError(f"{type(image_text).__name__} has {len(found) or 'no'} module{'s' * (len(found) != 1)} "
+                             f"for {type(text).__name__}'s {name} ({type(child).__name__})")
+        places[name] = found[0]
+    targets = image_text.state_dict()
+    keys: Dict[str, str] = {}
+    for key, value in entries.items():
+        child, _, rest = key.partition(".")
+        if child not in places:
+            raise ValueError(f"{type(text).__name__}'s {key} belongs to no module of its own")
+        mapped = f"{places[child]}.{rest}" if places[child] else rest
+        if mapped not in targets or targets[mapped].shape != value.shape:
+            raise ValueError(f"{type(image_text).__name__} has no {mapped} of shape {tuple(value.shape)} for "
+                             f"{type(text).__name__}'s {key}")
+        keys[key] = mapped
+    return keys
+
+
+def _dropped_modules(keys: Any, kept: Any) -> Tuple[str, ...]:
+    """The shortest module names under which ``keys`` hold nothing ``kept`` holds (the vision tower, ...)."""
+    kept = set(kept)
+    prefixes = {p for k in kept for p in _prefixes(k)}
+    dropped = set()
+    for key in keys:
+        if key not in kept:
+            dropped.add(next(p for p in _prefixes(key) + [key] if p not in prefixes))
+    return tuple(sorted(dropped))
+
+
+def _prefixes(key: str) -> List[str]:
+    parts = key.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def _is_tied(model: nn.Module) -> bool:
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    return head is not None and embedding is not None and head.weight is embedding.weight
+
+
+def _language_model(config: Any, declared: Optional[str], parts: List[str], key: str,
+                    text_only: bool) -> Tuple[Any, ImageText]:
+    """The config of an image-text model's language model, as a causal LM that computes what the image-text
+    model computes on text (see :func:`read_model_folder`)."""
+    text_key = _sibling(key, "text_only")
+    model_class = _image_text_class(config, declared)
+    name = declared or (model_class.__name__ if model_class else type(config).__name__)
+    text_config = config.get_text_config()
+    text_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(text_config), None) if text_config is not config else None
+    if text_class is None or model_class is None:
+        raise ConfigError(key, f"{name} is a multimodal model ({', '.join(parts)}) whose language model "
+                          f"transformers {_transformers_version()} cannot build as a causal LM alone; these "
+                          "recipes train text-only causal LMs: use the folder of a text-only model")
+    if not text_only:
+        others = ", ".join(part.replace("_config", "") for part in parts)
+        raise ConfigError(key, f"{name} is an image-text model ({', '.join(parts)}); set {text_key}=true to train "
+                          f"its language model alone as {text_class.__name__} (without its {others} part), or use "
+                          "the folder of a text-only model")
+    text_config = copy.deepcopy(text_config)
+    if getattr(text_config, "dtype", None) is None:
+        text_config.dtype = getattr(config, "dtype", None)  # "auto" reads the folder's dtype off this config
+    with torch.device("meta"):
+        image_text = model_class._from_config(config)
+        # tied as the image-text model ties it: some tie from their outer config (Mistral 3), some from the
+        # text config (Llama 4), and the two may disagree
+        text_config.tie_word_embeddings = _is_tied(image_text)
+        text = text_class._from_config(text_config)
     try:
-        config = AutoConfig.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
-    except Exception as err:  # transformers raises ValueError, OSError, KeyError ... for a config it cannot read
-        raise ConfigError(key, f"transformers {_transformers_version()} cannot read {folder / 'config.json'}: "
-                          f"{str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
-    parts = _multimodal_parts(config)
-    if parts:
-        name = declared or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, type(config).__name__)
-        raise ConfigError(key, f"{name} is a multimodal model ({', '.join(parts)}); these recipes train "
-                          "text-only causal LMs: use the folder of a text-only model")
-    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None) if known else None
-    _check_attention(attn_implementation, device, key.rsplit(".", 1)[0] + ".attn_implementation"
-                     if "." in key else "attn_implementation", model_class)
-    return config
+        keys = language_model_keys(image_text, text)
+    except ValueError as err:
+        raise ConfigError(text_key, f"the language model of {name} cannot be taken out of it: {err}") from None
+    if _is_tied(text) != _is_tied(image_text):
+        raise ConfigError(text_key, f"{name} {'ties' if _is_tied(image_text) else 'does not tie'} its output "
+                          f"projection to its embedding and {text_class.__name__} cannot do the same: its language "
+                          "model cannot train alone")
+    try:
+        outer = _head_transforms(image_text, model_class)
+    except ConfigError:
+        outer = None  # no lm_head call of its own: its logits come from a causal LM inside it (Llama 4)
+    inner = _head_transforms(text, text_class)
+    if outer is not None and outer != inner:
+        raise ConfigError(text_key, f"{text_class.__name__} would compute other logits than {name}: after lm_head "
+                          f"it applies {inner.describe()}, {name} {outer.describe()}; its language model cannot "
+                          "train alone")
+    kept = set(keys.values())
+    dropped = _dropped_modules(image_text.state_dict(), kept)
+    count = sum(p.numel() for n, p in image_text.named_parameters() if n not in kept)
+    return text_config, ImageText(model_class, text_class, dropped, count)
 
 
 # What a transformers class says it supports, per attention implementation
@@ -194,6 +397,13 @@ class HeadTransform:
     multiply: float = 1.0
     divide: float = 1.0
 
+    def describe(self) -> str:
+        """What it does, in words for a message (``softcap 30.0``, ``nothing``)."""
+        done = [f"multiply by {self.multiply}"] if self.multiply != 1.0 else []
+        done += [f"divide by {self.divide}"] if self.divide != 1.0 else []
+        done += [f"softcap {self.softcap}"] if self.softcap is not None else []
+        return ", then ".join(done) or "nothing"
+
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         if self.multiply != 1.0:
             logits = logits * self.multiply
@@ -218,6 +428,10 @@ _SOFTCAP_LINES = {
     "logits = logits / self.config.final_logit_softcapping",
     "logits = torch.tanh(logits)",
     "logits = logits * self.config.final_logit_softcapping",
+    # an image-text class reads it off its text config (Gemma 4)
+    "if (final_logit_softcapping := self.config.get_text_config().final_logit_softcapping) is not None:",
+    "logits = logits / final_logit_softcapping",
+    "logits = logits * final_logit_softcapping",
 }
 _MULTIPLY_LINE = "logits = logits * self.logit_scale"
 _DIVIDE_LINE = "logits = logits / self.config.logits_scaling"
@@ -249,7 +463,7 @@ def _head_transforms(model: nn.Module, cls: type) -> HeadTransform:
         if _HEAD_END.match(line):
             break
         if line in _SOFTCAP_LINES:
-            softcap = getattr(config, "final_logit_softcapping", None)
+            softcap = getattr(config.get_text_config(), "final_logit_softcapping", None)
         elif line == _MULTIPLY_LINE:
             multiply = float(model.logit_scale)
         elif line == _DIVIDE_LINE:
@@ -318,8 +532,9 @@ class TorchtuneCall:
 
     Attributes set by :func:`adapt`: ``_ext_hf_class`` (the transformers class),
     ``_ext_head`` (:class:`HeadTransform`), ``_ext_returns_hidden`` (after the
-    hand-over), ``_ext_router`` (router load-balancing settings or None) and
-    ``_ext_router_aux`` (the last forward's router loss).
+    hand-over), ``_ext_router`` (router load-balancing settings or None),
+    ``_ext_router_aux`` (the last forward's router loss) and ``_ext_body``
+    (the name of the decoder stack that gives the final hidden states).
     """
 
     def forward(self, tokens: Optional[torch.Tensor] = None, mask: Any = None,
@@ -342,7 +557,7 @@ class TorchtuneCall:
         extra = {"output_router_logits": True} if self._ext_router is not None else {}
         # No attention_mask: with one, transformers would build a plain causal mask and ignore the
         # documents of a packed row (transformers PR #46634); without, it finds them from the positions.
-        out = self.base_model(input_ids=tokens, position_ids=input_pos, use_cache=False, **extra)
+        out = getattr(self, self._ext_body)(input_ids=tokens, position_ids=input_pos, use_cache=False, **extra)
         if self._ext_router is not None:
             self._ext_router_aux = self._ext_router.loss(out.router_logits)
         hidden = out.last_hidden_state
@@ -398,7 +613,9 @@ def _router_balance(model: nn.Module, cls: type, coef: Optional[float]) -> Route
     if function is None or not isinstance(num_experts, int) or not isinstance(top_k, int):
         raise ConfigError("model.output_router_logits", f"{cls.__name__} has no router load-balancing loss "
                           "torchtune_ext.hf knows; set model.output_router_logits=false")
-    coef = float(coef if coef is not None else getattr(model, "router_aux_loss_coef", model.config.router_aux_loss_coef))
+    if coef is None:
+        coef = getattr(model, "router_aux_loss_coef", model.config.router_aux_loss_coef)
+    coef = float(coef)
     return RouterBalance(function, num_experts, top_k, coef)
 
 
@@ -429,7 +646,25 @@ def adapt(model: nn.Module, *, output_router_logits: bool = False,
     model._ext_returns_hidden = False
     model._ext_router = router
     model._ext_router_aux = None
+    model._ext_body = _body(model)
     return model
+
+
+def _body(model: nn.Module) -> str:
+    """The name of the causal LM's decoder stack: its ``base_model``, or where that is the model itself
+    (Llama4ForCausalLM names ``language_model`` as its prefix, to load from Llama 4's image-text files,
+    and keeps its stack in ``model``) its one child that is a transformers model.
+
+    Raises:
+        ConfigError: (key ``model``) none, or several.
+    """
+    if model.base_model is not model:
+        return model.base_model_prefix
+    found = [name for name, child in model.named_children() if isinstance(child, transformers.PreTrainedModel)]
+    if len(found) != 1:
+        raise ConfigError("model", f"{type(model).__name__}: no one decoder stack found among its modules "
+                          f"({', '.join(name for name, _ in model.named_children())})")
+    return found[0]
 
 
 def _dtype(dtype: Optional[Union[str, torch.dtype]], config: Any) -> torch.dtype:
@@ -452,7 +687,7 @@ def _dtype(dtype: Optional[Union[str, torch.dtype]], config: Any) -> torch.dtype
 
 def causal_lm(path: Union[str, Path], *, attn_implementation: Optional[str] = None, trust_remote_code: bool = False,
               dtype: Optional[Union[str, torch.dtype]] = None, output_router_logits: bool = False,
-              router_aux_loss_coef: Optional[float] = None) -> nn.Module:
+              router_aux_loss_coef: Optional[float] = None, text_only: bool = False) -> nn.Module:
     """The causal LM of a Hugging Face folder, built by transformers, random weights, torchtune's call convention.
 
     Built on the current default device: under ``torch.device("meta")``
@@ -474,6 +709,12 @@ def causal_lm(path: Union[str, Path], *, attn_implementation: Optional[str] = No
         output_router_logits: mixture-of-experts models: add the router
             load-balancing loss (see docs/models.md); default off.
         router_aux_loss_coef: its coefficient; None: the model config's.
+        text_only: an image-text folder (Gemma 3 4B+, Llama 4, Mistral Small
+            3.1, Qwen3.5) gives its language model alone, as the causal LM
+            class of its ``text_config`` (``Gemma3ForCausalLM``); its weights
+            come from :class:`torchtune_ext.hf.HFCheckpointer` with the same
+            flag. Without it such a folder is refused. A text model's folder
+            is built as without it.
 
     Returns:
         the transformers model (:class:`TorchtuneCall` mixed in), in train mode.
@@ -481,7 +722,8 @@ def causal_lm(path: Union[str, Path], *, attn_implementation: Optional[str] = No
     Raises:
         ConfigError: see :func:`check_model_folder` and :func:`adapt`.
     """
-    config = check_model_folder(path, trust_remote_code=trust_remote_code, attn_implementation=attn_implementation)
+    config = check_model_folder(path, trust_remote_code=trust_remote_code, attn_implementation=attn_implementation,
+                                text_only=text_only)
     if getattr(config, "use_cache", None):
         config.use_cache = False  # training: no KV cache
     kwargs = dict(dtype=_dtype(dtype, config), trust_remote_code=trust_remote_code)

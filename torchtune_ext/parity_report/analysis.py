@@ -218,7 +218,8 @@ def render_markdown(
     verdict = "FAIL" if failed else "PASS"
     lines = ["# Gradient-accumulation parity report", "", *title_lines, ""]
     if failed:
-        lines.append(f"**Result: {verdict}** -- {len(failed)} case(s) failed: {', '.join(r.case.name for r in failed)}.")
+        names = ", ".join(r.case.name for r in failed)
+        lines.append(f"**Result: {verdict}** -- {len(failed)} case(s) failed: {names}.")
     else:
         lines.append(
             f"**Result: {verdict}** -- all {len(exact)} exact case(s) match `{reference}` "

@@ -87,7 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def resolve_tolerance(tolerance: Optional[float], dtype: str) -> float:
     """``--tolerance`` if given, else the default for the config's ``dtype`` (fp32 1e-5, bf16 2e-2)."""
-    return tolerance if tolerance is not None else analysis.DEFAULT_TOLERANCE.get(dtype, analysis.DEFAULT_TOLERANCE["fp32"])
+    if tolerance is not None:
+        return tolerance
+    return analysis.DEFAULT_TOLERANCE.get(dtype, analysis.DEFAULT_TOLERANCE["fp32"])
 
 
 def _distributed_recipe(args: argparse.Namespace) -> str:

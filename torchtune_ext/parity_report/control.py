@@ -22,10 +22,9 @@ import sys
 from typing import List, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from torchtune_ext import step
+from torchtune_ext import ranks, step
 from torchtune_ext.accounting import TokenTotals, count_trainable_tokens
 from torchtune_ext.loss import SummedCrossEntropyLoss
 
@@ -45,8 +44,8 @@ def mean_of_means_forward_backward(
     Backward runs on ``(summed_loss_i / tokens_i) / M`` for each of the ``M``
     micro-batches of the step (in both backward modes: the bug does not depend
     on the mode). Other keyword arguments of ``forward_backward`` (``memory_guard``,
-    ``step``) are accepted and ignored: there is nothing for the guard to decide. A micro-batch with no trainable token is left out of the
-    sum; the common recipe would produce NaN there (0 / 0), which would hide
+    ``step``) are accepted and ignored: there is nothing for the guard to decide. A micro-batch with no
+    trainable token is left out of the sum; the common recipe would produce NaN there (0 / 0), which would hide
     the weighting error this control is meant to show.
 
     Returns:
@@ -58,7 +57,7 @@ def mean_of_means_forward_backward(
     Raises:
         RuntimeError: under data parallelism (the control is single-device).
     """
-    if dp_group is not None or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+    if dp_group is not None or ranks.several_processes():
         raise RuntimeError("the parity report's control case runs on a single device only")
     num_micro_batches = len(micro_batches)
     mean_of_means = torch.zeros((), dtype=torch.float32, device=device)

@@ -1,0 +1,84 @@
+"""Which process this is in the job: the one place that asks torch.distributed or torchrun's variables.
+
+torchrun sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``
+in every worker before any process group exists (the config is checked, and
+an error line printed once, before the recipe joins the group); a process
+group, once joined, gives the same numbers. A plain process has neither, and
+is rank 0 of 1. Collectives themselves stay with the code that needs them;
+before one, ask :func:`several_processes` (the process group, not the
+environment: a collective needs a group).
+
+Nothing heavy is imported: ``torch.distributed`` is consulted only once
+something else has imported it (before that, no process group can exist).
+"""
+
+import os
+import sys
+from typing import Any, Optional
+
+
+def _dist() -> Any:
+    """``torch.distributed`` with a process group initialized, else None."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    return dist
+
+
+def _env_int(name: str) -> Optional[int]:
+    value = os.environ.get(name)
+    return int(value) if value else None
+
+
+def launched_by_torchrun() -> bool:
+    """Whether torchrun (``tune run --nproc_per_node N``) started this process: it gives a rank to join with."""
+    return "RANK" in os.environ
+
+
+def in_process_group() -> bool:
+    """Whether this process has joined a process group (collectives can run)."""
+    return _dist() is not None
+
+
+def rank() -> int:
+    """This process's global rank: torchrun's ``RANK``, else the process group's, else 0."""
+    from_env = _env_int("RANK")
+    if from_env is not None:
+        return from_env
+    dist = _dist()
+    return dist.get_rank() if dist is not None else 0
+
+
+def is_rank_zero() -> bool:
+    """Whether this process speaks for the job (prints, writes shared files): global rank 0."""
+    return rank() == 0
+
+
+def world_size() -> int:
+    """Processes of the job: torchrun's ``WORLD_SIZE``, else the process group's size, else 1."""
+    from_env = _env_int("WORLD_SIZE")
+    if from_env is not None:
+        return from_env
+    dist = _dist()
+    return dist.get_world_size() if dist is not None else 1
+
+
+def process_group_size(group: Any = None) -> int:
+    """Ranks in ``group`` (default: the whole job's group) once a process group exists, else 1."""
+    dist = _dist()
+    return dist.get_world_size(group) if dist is not None else 1
+
+
+def several_processes(group: Any = None) -> bool:
+    """Whether a collective over ``group`` (default: the job's) involves other processes."""
+    return process_group_size(group) > 1
+
+
+def local_rank() -> Optional[int]:
+    """This worker's rank on its host (torchrun's ``LOCAL_RANK``); None outside torchrun."""
+    return _env_int("LOCAL_RANK")
+
+
+def local_world_size() -> Optional[int]:
+    """The job's processes on this host (torchrun's ``LOCAL_WORLD_SIZE``); None outside torchrun."""
+    return _env_int("LOCAL_WORLD_SIZE")
