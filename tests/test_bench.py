@@ -322,7 +322,8 @@ def _flat(node, prefix=""):
 
 def _differences(a, b, skip):
     fa, fb = _flat(a), _flat(b)
-    return sorted(k for k in set(fa) | set(fb) if k.split(".")[0] not in skip and fa.get(k, "absent") != fb.get(k, "absent"))
+    keys = (k for k in set(fa) | set(fb) if k.split(".")[0] not in skip)
+    return sorted(k for k in keys if fa.get(k, "absent") != fb.get(k, "absent"))
 
 
 @pytest.mark.parametrize("name", ["hf", "hf_quick"])
