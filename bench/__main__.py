@@ -78,6 +78,8 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     parser.add_argument("--busy-threshold", type=float, default=0.3,
                         help="CPU cores used by other processes above which a round is redone (default 0.3)")
     parser.add_argument("--max-redo", type=int, default=6, help="rounds redone at most (default 6)")
+    parser.add_argument("--run-timeout-s", type=int,
+                        help="seconds a run may take before it is stopped (profile default; raise it on a loaded machine)")
     parser.add_argument("--wait-quiet-s", type=float, default=300,
                         help="before each round, wait up to this long for other processes to go quiet")
     parser.add_argument("--dry-run", action="store_true", help="print the commands and exit")
@@ -93,6 +95,8 @@ def build_profile(args: argparse.Namespace) -> Profile:
                              skip_steps=args.skip_steps, batch_size=args.batch_size, max_seq_len=args.max_seq_len)
     if args.no_warmup:
         profile = with_overrides(profile, warmup=False)
+    if args.run_timeout_s is not None:
+        profile = with_overrides(profile, run_timeout_s=args.run_timeout_s)
     # a size given on the command line is for every group, including those that set their own
     if args.batch_size is not None or args.max_seq_len is not None:
         profile = with_overrides(profile, groups=tuple(

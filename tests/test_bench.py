@@ -451,3 +451,11 @@ def test_the_hf_profiles_render(tmp_path):
     assert "the transformers path against the torchtune path" in text
     assert "| 0.800 |" in text and "**not met**" in text
     assert "grad_norm" not in json.loads((tmp_path / "out" / "hf_quick.json").read_text())
+
+
+def test_run_timeout_from_the_command_line():
+    """On a shared machine a run can outlast its profile's limit per run; --run-timeout-s raises it."""
+    from bench.__main__ import build_profile, parse_args
+
+    assert build_profile(parse_args(["--hf"])).run_timeout_s == PROFILES["hf"].run_timeout_s
+    assert build_profile(parse_args(["--hf", "--run-timeout-s", "3600"])).run_timeout_s == 3600
