@@ -7,6 +7,8 @@
     python -m bench --gpu           # one CUDA device, bf16 (see bench/gpu_bench.sh)
     python -m bench --realistic     # batch 8 x GA 4 x 512 tokens, grouping on/off, HF Trainer (about 1 h)
     python -m bench --gpu-realistic # the same batch on one CUDA device, bf16
+    python -m bench --hf            # ours on the transformers model vs on torchtune's (about 15 min)
+    python -m bench --hf-quick      # its smoke check (about 2 min)
 
 Run from the repository root, with the project installed and its assets
 downloaded (``python -m torchtune_ext.download``). See docs/benchmarks.md.
@@ -58,6 +60,11 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
                       help="issue 13: batch 8 x GA 4 x 512 tokens, grouping on/off, HF Trainer baseline")
     mode.add_argument("--gpu-realistic", action="store_const", const="gpu_realistic", dest="profile",
                       help="batch 8 x GA 4 x 512 tokens on one CUDA device, bf16, grouping on/off")
+    mode.add_argument("--hf", action="store_const", const="hf", dest="profile",
+                      help="issue 30: our recipe on the transformers model (configs/hf) vs on torchtune's, "
+                           "SmolLM2-135M, same tokens and settings (about 15 min)")
+    mode.add_argument("--hf-quick", action="store_const", const="hf_quick", dest="profile",
+                      help="the same, batch 1 x GA 2 x 128 tokens, one repeat (about 2 min)")
     parser.add_argument("--repeats", type=int, help="repeats of every case (profile default)")
     parser.add_argument("--steps", type=int, help="optimizer steps per run")
     parser.add_argument("--skip-steps", type=int, help="first steps left out of the statistics")
@@ -71,6 +78,8 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     parser.add_argument("--busy-threshold", type=float, default=0.3,
                         help="CPU cores used by other processes above which a round is redone (default 0.3)")
     parser.add_argument("--max-redo", type=int, default=6, help="rounds redone at most (default 6)")
+    parser.add_argument("--run-timeout-s", type=int,
+                        help="seconds a run may take before it is stopped (profile default; raise it on a loaded machine)")
     parser.add_argument("--wait-quiet-s", type=float, default=300,
                         help="before each round, wait up to this long for other processes to go quiet")
     parser.add_argument("--dry-run", action="store_true", help="print the commands and exit")
@@ -86,6 +95,8 @@ def build_profile(args: argparse.Namespace) -> Profile:
                              skip_steps=args.skip_steps, batch_size=args.batch_size, max_seq_len=args.max_seq_len)
     if args.no_warmup:
         profile = with_overrides(profile, warmup=False)
+    if args.run_timeout_s is not None:
+        profile = with_overrides(profile, run_timeout_s=args.run_timeout_s)
     # a size given on the command line is for every group, including those that set their own
     if args.batch_size is not None or args.max_seq_len is not None:
         profile = with_overrides(profile, groups=tuple(
@@ -142,7 +153,7 @@ def warmups(profile: Profile, args) -> List[Dict[str, Any]]:
     for group in profile.groups:
         for variant in group.variants:
             case = Case(group, variant)
-            key = (case.impl, group.kind, group.nproc)
+            key = (case.impl, case.model_path, group.kind, group.nproc)
             if key in seen:
                 continue
             seen.add(key)
@@ -179,6 +190,8 @@ def summarize(profile: Profile, runs: List[Dict[str, Any]], counts: Dict[str, An
                                                                      peak["flops_per_second"])}
         if profile.report == "realistic":
             comparisons = report.realistic_comparisons(by_variant, profile.skip_steps)
+        elif profile.report == "hf":
+            comparisons = report.transformers_comparisons(by_variant, profile.skip_steps)
         else:
             comparisons = {}
             for variant, mine in by_variant.items():
@@ -191,7 +204,8 @@ def summarize(profile: Profile, runs: List[Dict[str, Any]], counts: Dict[str, An
                               "comparisons": comparisons,
                               "flops_per_token": fpt(seq[0]) if seq else None,
                               "mean_sample_tokens": seq[0] if seq else None}
-    evaluate = report.evaluate_realistic_targets if profile.report == "realistic" else report.evaluate_targets
+    evaluate = {"realistic": report.evaluate_realistic_targets,
+                "hf": report.evaluate_transformers_targets}.get(profile.report, report.evaluate_targets)
     return {"cases": cases, "groups": groups, "targets": evaluate(cases, groups)}
 
 
@@ -262,9 +276,55 @@ def realistic_markdown(result: Dict[str, Any], profile: Profile) -> str:
     return "\n".join(lines) + "\n"
 
 
+def transformers_markdown(result: Dict[str, Any], profile: Profile) -> str:
+    """The report of the ``hf`` profiles: the transformers path against the torchtune path."""
+    s = result["summary"]
+    order = [g.name for g in profile.groups if g.name in s["groups"]]
+    runs_by_case: Dict[str, List[Dict[str, Any]]] = {}
+    for r in report.usable_runs(result["runs"]):
+        runs_by_case.setdefault(r["case"], []).append(r)
+    first = {name: runs[0] for name, runs in runs_by_case.items()}
+    case_order = [c.name for c in profile.cases()]
+    loads = [x[0] for r in result["runs"] for x in r.get("load_samples") or []]
+    lines = [
+        *_heading(result, f"# Benchmark `{profile.name}`: the transformers path against the torchtune path"),
+        "Our full fine-tune recipe twice on SmolLM2-135M-Instruct's weights: on torchtune's model "
+        "(`configs/smollm2`, `torchtune_ext.models.smollm2_135m`, torchtune's checkpointer) and on the "
+        "transformers model of the same folder (`configs/hf`, `torchtune_ext.hf.causal_lm`, `model_dir` the "
+        "folder), every other key of the transformers config set to the torchtune config's "
+        "(`bench.cases.transformers_path_overrides`: the same tokenizer, so the same token ids, warm-up and "
+        f"memory limit). Alpaca demo data (prompts masked), {profile.dtype} on {profile.device}, "
+        f"{profile.steps} optimizer steps per run, statistics over steps {profile.skip_steps + 1}-{profile.steps}, "
+        f"{profile.repeats} repeat(s) run in alternation, seed 0. Tokens/s: non-padding tokens of a step over "
+        "its time, median over every measured step of every repeat (both paths train on the same samples per "
+        "step); in brackets the range of the per-repeat ratios. Peak memory: "
+        + ("max memory allocated" if profile.device == "cuda" else "peak RSS of the process")
+        + " from the first micro-batch to the last step, median over repeats. Load average: median of the "
+        "1-minute load average sampled every 5 s during the runs; other processes: CPU cores used by other "
+        "processes during the run, median over repeats"
+        + (f" (load average over all runs: {min(loads):.1f}–{max(loads):.1f})" if loads else "") + ".",
+        "",
+        report.transformers_table(s["cases"], s["groups"], order, runs_by_case, profile.skip_steps),
+        "",
+        "## Targets",
+        "",
+        report.transformers_targets_table(s["targets"]),
+        "",
+        "## Per-step loss",
+        "",
+        report.loss_table(first, case_order),
+        "",
+    ]
+    redone = [r for r in result["runs"] if not r.get("used", True)]
+    lines += [f"Runs: {len(result['runs'])} ({len(redone)} discarded: other processes were busy during their round)."]
+    return "\n".join(lines) + "\n"
+
+
 def markdown(result: Dict[str, Any], profile: Profile) -> str:
     if profile.report == "realistic":
         return realistic_markdown(result, profile)
+    if profile.report == "hf":
+        return transformers_markdown(result, profile)
     s = result["summary"]
     order = [g.name for g in profile.groups if g.name in s["groups"]]
     case_order = [f"{g}_{v}" for g in order for v in ("ours_once", "ours_each") if f"{g}_{v}" in s["cases"]]
@@ -356,7 +416,7 @@ def main(argv: List[str] = None) -> int:
         result["peak"] = probes.peak_flops("cpu", torch.float32, 2048, 10)
     _log(f"peak: {result['peak']['flops_per_second'] / 1e9:.1f} GFLOP/s ({result['peak']['dtype']})")
 
-    if profile.device == "cpu":
+    if profile.device == "cpu" and profile.report == "standard":  # only the standard report shows it
         result["grad_norm"] = probes.grad_norm_cost()
     if profile.warmup:
         result["warmups"] = warmups(profile, args)
@@ -427,7 +487,7 @@ def render(path: Path, args: argparse.Namespace) -> int:
     fields["groups"] = tuple(Group(**{**g, "variants": tuple(g["variants"])}) for g in fields["groups"])
     fields["extra_overrides"] = tuple(fields.get("extra_overrides", ()))
     profile = Profile(**fields)
-    if profile.device == "cpu" and not result.get("grad_norm"):
+    if profile.device == "cpu" and profile.report == "standard" and not result.get("grad_norm"):
         result["grad_norm"] = probes.grad_norm_cost()
     if any(g.nproc > 1 for g in profile.groups) and profile.device == "cpu":
         for probe in ("allreduce", "sync_cost"):

@@ -162,6 +162,15 @@ def run_throughput(steps: Sequence[Mapping[str, float]], skip_steps: int) -> Dic
     }
 
 
+def step_throughputs(steps: Sequence[Mapping[str, float]], skip_steps: int) -> List[float]:
+    """Non-padding tokens/sec of each measured step (``non_padding_tokens / period``), in step order.
+
+    Args: as :func:`run_throughput`.
+    """
+    return [s["non_padding_tokens"] / s["period"] for s in steps
+            if s["step"] > skip_steps and s.get("period") and s["period"] > 0]
+
+
 def best_of_repeats_throughput(runs_steps: Sequence[Sequence[Mapping[str, float]]],
                                skip_steps: int) -> Optional[float]:
     """Non-padding tokens/sec from each measured step's shortest time over the repeats.

@@ -3,7 +3,11 @@
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+from omegaconf import OmegaConf
+
+REPO = Path(__file__).resolve().parent.parent
 
 UPSTREAM = "upstream"
 OURS_ONCE = "ours_once"
@@ -14,6 +18,8 @@ OURS_BUDGET = "ours_budget"
 OURS_PACKED = "ours_packed"
 OURS_PACKED_2048 = "ours_packed_2048"
 HF_TRAINER = "hf_trainer"
+# Our recipe on the transformers model of the same folder (configs/hf, torchtune_ext.hf), per micro-batch
+OURS_HF_EACH = "ours_hf_each"
 VARIANTS = (UPSTREAM, OURS_ONCE, OURS_EACH)
 
 VARIANT_LABELS = {
@@ -26,6 +32,7 @@ VARIANT_LABELS = {
     OURS_PACKED: "ours, backward once per step, max_tokens_per_micro_batch=1024, pack_micro_batches=true",
     OURS_PACKED_2048: "ours, backward once per step, max_tokens_per_micro_batch=2048, pack_micro_batches=true",
     HF_TRAINER: "Hugging Face Trainer (transformers), token-normalized loss",
+    OURS_HF_EACH: "ours, transformers model (configs/hf), backward_once_per_step=false",
 }
 
 # Overrides that make a variant of ours what its name says, after the common
@@ -36,6 +43,7 @@ VARIANT_OVERRIDES: Dict[str, Tuple[str, ...]] = {
     # would need as much (the default limit): what ours_once measured before 2026-12-02
     OURS_ONCE_DEVICE: ("backward_once_per_step=true", "once_per_step_memory_limit=device"),
     OURS_EACH: ("backward_once_per_step=false",),
+    OURS_HF_EACH: ("backward_once_per_step=false",),
     OURS_UNGROUPED: ("backward_once_per_step=true", "group_by_length=false"),
     # At batch 1 x GA 4 x 256 tokens: the step's 4 samples in one micro-batch of at
     # most 1024 padded positions, the memory bound of batch 4 x 256.
@@ -67,6 +75,18 @@ RECIPES: Dict[Tuple[str, str, bool], Tuple[str, str]] = {
     (UPSTREAM, "full", True): ("full_finetune_distributed", "bench/configs/upstream_full_distributed.yaml"),
     (UPSTREAM, "lora", True): ("lora_finetune_distributed", "bench/configs/upstream_lora_distributed.yaml"),
 }
+
+
+# The transformers path: variants that run our recipe on configs/hf/<recipe>.yaml (the model built
+# by transformers from the folder our torchtune config's checkpointer reads), every key outside the
+# model and checkpointer sections set to the torchtune config's value (transformers_path_overrides).
+TRANSFORMERS_VARIANTS = (OURS_HF_EACH,)
+TRANSFORMERS_CONFIGS: Dict[str, str] = {
+    "full": "configs/hf/full_single_device.yaml",
+    "lora": "configs/hf/lora_single_device.yaml",
+}
+# Top-level keys where the two paths differ by design: what builds and loads the model, and where runs write.
+MODEL_KEYS = ("model", "checkpointer", "model_dir", "output_dir")
 
 
 @dataclass(frozen=True)
@@ -114,6 +134,11 @@ class Case:
         if self.variant == UPSTREAM:
             return UPSTREAM
         return "hf" if self.variant == HF_TRAINER else "ours"
+
+    @property
+    def model_path(self) -> str:
+        """``transformers`` (our recipe on configs/hf, the HF Trainer) or ``torchtune``: which code builds the model."""
+        return "transformers" if self.variant in TRANSFORMERS_VARIANTS + (HF_TRAINER,) else "torchtune"
 
 
 @dataclass(frozen=True)
@@ -219,6 +244,21 @@ PROFILES["gpu_realistic"] = Profile(
 )
 
 
+# Issue 30: the transformers path against the torchtune path, our recipe on both, SmolLM2-135M.
+# The shipped single-device config's sizes (batch 2 x GA 4, 512 tokens), both backward per
+# micro-batch (what backward: auto runs there); 5 steps, the first 2 left out of the statistics.
+_TRANSFORMERS_PAIR = (OURS_EACH, OURS_HF_EACH)
+PROFILES["hf"] = Profile(
+    name="hf", groups=(Group("full", 1, 4, _TRANSFORMERS_PAIR, batch_size=2, max_seq_len=512),),
+    batch_size=2, max_seq_len=512, steps=5, skip_steps=2, repeats=3, warmup=True, report="hf",
+)
+# Its smoke check (about 2 minutes on an idle 2-core CPU): batch 1 x GA 2, 128 tokens, one repeat.
+PROFILES["hf_quick"] = Profile(
+    name="hf_quick", groups=(Group("full", 1, 2, _TRANSFORMERS_PAIR, batch_size=1, max_seq_len=128),),
+    batch_size=1, max_seq_len=128, steps=3, skip_steps=1, repeats=1, warmup=False, report="hf",
+)
+
+
 def with_overrides(profile: Profile, **changes) -> Profile:
     """The profile with some fields replaced (None values are ignored)."""
     return replace(profile, **{k: v for k, v in changes.items() if v is not None})
@@ -260,6 +300,60 @@ def run_overrides(case: Case, profile: Profile, output_dir: Path, steps: Optiona
     return overrides + list(profile.extra_overrides)
 
 
+def _leaves(node: Dict[str, Any], prefix: str = "") -> Iterator[Tuple[str, Any]]:
+    """``(dotted key, value)`` of every leaf of a nested dict."""
+    for key, value in node.items():
+        if isinstance(value, dict) and value:
+            yield from _leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def _override_value(value: Any) -> str:
+    """``value`` as torchtune's command line reads it back (OmegaConf's YAML parse of a dotlist)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_override_value(v) for v in value) + "]"
+    return str(value)
+
+
+def _config_leaves(path: str) -> Dict[str, Any]:
+    return dict(_leaves(OmegaConf.to_container(OmegaConf.load(REPO / path), resolve=False)))
+
+
+def transformers_path_overrides(kind: str) -> List[str]:
+    """``key=value`` overrides that make ``TRANSFORMERS_CONFIGS[kind]`` train as our torchtune config does.
+
+    ``model_dir`` is the folder the torchtune config's checkpointer reads (the
+    same weights), and every key outside :data:`MODEL_KEYS` whose value differs
+    (the tokenizer, whose chat template SmolLM2's folder would otherwise add a
+    system prompt with; the warm-up steps; ...) takes the torchtune config's
+    value, so both runs see the same token ids and the same schedule.
+
+    Raises:
+        ValueError: the transformers config has a key the torchtune config
+            lacks (outside :data:`MODEL_KEYS`): a setting only one path would get.
+    """
+    _, ours = RECIPES[("ours", kind, False)]
+    theirs = TRANSFORMERS_CONFIGS[kind]
+    mine, hf = _config_leaves(ours), _config_leaves(theirs)
+
+    def aligned(key: str) -> bool:
+        return key.split(".")[0] not in MODEL_KEYS
+
+    extra = sorted(k for k in hf if aligned(k) and k not in mine)
+    if extra:
+        raise ValueError(f"{theirs} sets {', '.join(extra)}, which {ours} does not: add them there, or to MODEL_KEYS "
+                         "if they belong to the model")
+    overrides = [f"model_dir={mine['checkpointer.checkpoint_dir']}"]
+    overrides += [f"{key}={_override_value(value)}" for key, value in mine.items()
+                  if aligned(key) and (key not in hf or hf[key] != value)]
+    return overrides
+
+
 def command(case: Case, profile: Profile, output_dir: Path, steps: Optional[int] = None,
             python: str = sys.executable) -> List[str]:
     """The command line of one run, to start from the repository root."""
@@ -270,6 +364,11 @@ def command(case: Case, profile: Profile, output_dir: Path, steps: Optional[int]
         return [python, "-m", "bench.hf_trainer", "--out", str(output_dir / "probe.json"), "--config", config,
                 *run_overrides(case, profile, output_dir, steps)]
     recipe, config = RECIPES[(case.impl, case.group.kind, case.group.nproc > 1)]
+    aligned: List[str] = []
+    if case.model_path == "transformers":
+        if case.group.nproc != 1:
+            raise ValueError(f"{case.name}: the transformers path is benchmarked on one device")
+        config, aligned = TRANSFORMERS_CONFIGS[case.group.kind], transformers_path_overrides(case.group.kind)
     launch_args = ["--out", str(output_dir / "probe.json")]
     if case.impl == UPSTREAM:
         launch_args.append("--upstream")
@@ -279,7 +378,10 @@ def command(case: Case, profile: Profile, output_dir: Path, steps: Optional[int]
             launch_args += ["--adapter-seed", str(SEED)]
     if profile.pad_to:
         launch_args += ["--pad-to", str(profile.pad_to)]
-    args = [*launch_args, recipe, "--config", config, *run_overrides(case, profile, output_dir, steps)]
+    run = run_overrides(case, profile, output_dir, steps)
+    given = {o.split("=", 1)[0] for o in run}
+    aligned = [o for o in aligned if o.split("=", 1)[0] not in given]  # the run sets these for both paths
+    args = [*launch_args, recipe, "--config", config, *aligned, *run]
     if case.group.nproc == 1:
         return [python, "-m", "bench.launch", *args]
     # As `tune run --nproc_per_node N` does: torchrun in standalone mode, one process per rank.

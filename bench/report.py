@@ -14,6 +14,7 @@ from bench.cases import (
     OURS_ONCE,
     OURS_ONCE_DEVICE,
     OURS_UNGROUPED,
+    TRANSFORMERS_VARIANTS,
     UPSTREAM,
     VARIANT_LABELS,
 )
@@ -409,3 +410,135 @@ def loss_table(runs_by_case: Mapping[str, Mapping[str, Any]], order: Sequence[st
     rows = [[n] + [fmt(s.get("loss"), ".7f") for s in runs_by_case[n]["steps"]] + ["—"] * (steps - len(runs_by_case[n]["steps"]))
             for n in names]
     return markdown_table(["case"] + [f"step {k}" for k in range(1, steps + 1)], rows)
+
+
+# ------------------------------------------------------- transformers path (issue 30)
+
+# The transformers path (our recipe on configs/hf) against the torchtune path (ours on configs/smollm2),
+# same weights, tokens, settings and backward mode: its speed at least this share of the torchtune path's,
+# its peak memory at most this multiple, its losses within LOSS_MATCH (two implementations of the same
+# model only reorder float sums).
+TRANSFORMERS_SPEED = 0.95
+TRANSFORMERS_MEMORY = 1.05
+TORCHTUNE_PATH = OURS_EACH  # the reference of the transformers variants: the same backward mode
+
+
+def _peak_gib(run: Mapping[str, Any]) -> float:
+    return max(run["peak_memory_bytes"]) / GIB
+
+
+def _median_step_tps(runs: Sequence[Mapping[str, Any]], skip_steps: int) -> Optional[float]:
+    """Median over every measured step of every run (same samples per step in each run) of its tokens/sec."""
+    return analysis.summarize([t for r in runs for t in analysis.step_throughputs(r["steps"], skip_steps)])["median"]
+
+
+def transformers_comparison(mine: Sequence[Mapping[str, Any]], reference: Sequence[Mapping[str, Any]],
+                            skip_steps: int) -> Dict[str, Any]:
+    """The transformers path's runs against the torchtune path's, in one group.
+
+    Returns:
+        :func:`compare_to_upstream`'s dict (``max_rel_diff_loss``, ``same_tokens``, ...) plus
+        ``step_median_ratio``: ratio of the median per-step non-padding tokens/sec, over every measured
+        step of every repeat; ``paired_step_median_ratio``: that ratio per repeat (runs that ran next
+        to each other); ``memory_ratio``: ratio of the median peak memory over repeats, and
+        ``paired_memory_ratio`` per repeat.
+    """
+    out = compare_to_upstream(mine, reference, skip_steps)
+    a, b = _median_step_tps(mine, skip_steps), _median_step_tps(reference, skip_steps)
+    out["step_median_ratio"] = a / b if a and b else None
+    by_repeat = {r.get("repeat"): r for r in reference}
+    pairs = [(r, by_repeat[r.get("repeat")]) for r in mine if r.get("repeat") in by_repeat]
+    speed = [(_median_step_tps([x], skip_steps), _median_step_tps([y], skip_steps)) for x, y in pairs]
+    out["paired_step_median_ratio"] = analysis.summarize([x / y for x, y in speed if x and y])
+    mem_a = analysis.summarize([_peak_gib(r) for r in mine])["median"]
+    mem_b = analysis.summarize([_peak_gib(r) for r in reference])["median"]
+    out["memory_ratio"] = mem_a / mem_b if mem_a and mem_b else None
+    out["paired_memory_ratio"] = analysis.summarize([_peak_gib(x) / _peak_gib(y) for x, y in pairs])
+    return out
+
+
+def transformers_comparisons(by_variant: Mapping[str, Sequence[Mapping[str, Any]]],
+                             skip_steps: int) -> Dict[str, Any]:
+    """``{variant: transformers_comparison(...)}`` for each transformers variant of a group with its reference."""
+    reference = by_variant.get(TORCHTUNE_PATH)
+    return {v: transformers_comparison(runs, reference, skip_steps) for v, runs in by_variant.items()
+            if v in TRANSFORMERS_VARIANTS and runs and reference}
+
+
+def evaluate_transformers_targets(cases: Mapping[str, Mapping[str, Any]],
+                                  groups: Mapping[str, Mapping[str, Any]]) -> List[Dict[str, Any]]:
+    """Issue 30's targets: speed, memory and loss agreement of the transformers path, per group.
+
+    Args:
+        cases: as :func:`evaluate_targets` (unused: the comparisons hold the numbers).
+        groups: group name -> {"comparisons": :func:`transformers_comparisons`}.
+    """
+    targets = []
+
+    def target(text, key, spec, ok):
+        values = [{"group": name, "variant": v, "value": comp.get(key)}
+                  for name, g in sorted(groups.items()) for v, comp in sorted(g["comparisons"].items())]
+        vals = [v["value"] for v in values if v["value"] is not None]
+        targets.append({"target": text, "values": values, "spec": spec,
+                        "met": bool(vals) and len(vals) == len(values) and all(ok(x) for x in vals)})
+
+    target(f"transformers path / torchtune path non-padding tokens/s (median over steps) >= {TRANSFORMERS_SPEED}",
+           "step_median_ratio", ".3f", lambda x: x >= TRANSFORMERS_SPEED)
+    target(f"transformers path / torchtune path peak memory <= {TRANSFORMERS_MEMORY}", "memory_ratio", ".3f",
+           lambda x: x <= TRANSFORMERS_MEMORY)
+    target(f"same losses (max rel. difference per step <= {LOSS_MATCH:g})", "max_rel_diff_loss", ".1e",
+           lambda x: x <= LOSS_MATCH)
+    target("same trainable tokens per step", "same_tokens", "", lambda x: x is True)
+    return targets
+
+
+def transformers_targets_table(targets: Sequence[Mapping[str, Any]]) -> str:
+    rows = []
+    for t in targets:
+        detail = ", ".join(f"{v['group']} {v['variant']}: "
+                           + (fmt(v["value"], t["spec"]) if t["spec"] else str(v["value"])) for v in t["values"])
+        status = "—" if not t["values"] else ("met" if t["met"] else "**not met**")
+        rows.append([t["target"], status, detail])
+    return markdown_table(["target", "result", "measured"], rows, "lll")
+
+
+def _load(runs: Sequence[Mapping[str, Any]]) -> Dict[str, Optional[float]]:
+    """Median 1-minute load average sampled during the runs, and the CPU cores other processes used."""
+    samples = [s[0] for r in runs for s in (r.get("load_samples") or [])]
+    return {"load": analysis.summarize(samples)["median"],
+            "foreign": analysis.summarize([r.get("foreign_cpu") for r in runs])["median"]}
+
+
+def transformers_table(cases: Mapping[str, Mapping[str, Any]], groups: Mapping[str, Mapping[str, Any]],
+                       group_order: Sequence[str], runs_by_case: Mapping[str, Sequence[Mapping[str, Any]]],
+                       skip_steps: int) -> str:
+    """One row per case: per-step median tokens/s, ratios (also from each step's best time over the repeats,
+    :func:`bench.analysis.best_of_repeats_throughput`), peak memory, ratio, loss difference, load."""
+    header = ["group", "implementation", "step time (s)", "non-padding tokens/s (median over steps)",
+              "× torchtune path (per repeat)", "× from best step times", "peak mem (GiB)", "× torchtune path",
+              "max rel. Δ loss",
+              "load average (1 min)", "other processes (cores)"]
+    rows = []
+    for gname in group_order:
+        g = groups[gname]
+        for variant in (TORCHTUNE_PATH, *TRANSFORMERS_VARIANTS):
+            c = cases.get(f"{gname}_{variant}")
+            if c is None:
+                continue
+            s, comp = c["summary"], g["comparisons"].get(variant, {})
+            runs = runs_by_case.get(f"{gname}_{variant}", [])
+            paired = comp.get("paired_step_median_ratio") or {}
+            ratio = "1" if variant == TORCHTUNE_PATH else fmt(comp.get("step_median_ratio"), ".3f")
+            if paired.get("n", 0) > 1:
+                ratio += f" ({fmt(paired['min'], '.2f')}–{fmt(paired['max'], '.2f')})"
+            load = _load(runs)
+            rows.append([
+                g["label"], VARIANT_LABELS[variant], fmt_median_spread(s["step_seconds"]),
+                fmt(_median_step_tps(runs, skip_steps)), ratio,
+                "1" if variant == TORCHTUNE_PATH else fmt(comp.get("best_ratio"), ".3f"),
+                fmt(s["peak_memory_gib"]["median"], ".2f"),
+                "1" if variant == TORCHTUNE_PATH else fmt(comp.get("memory_ratio"), ".3f"),
+                "—" if variant == TORCHTUNE_PATH else fmt(comp.get("max_rel_diff_loss"), ".1e"),
+                fmt(load["load"], ".2f"), fmt(load["foreign"], ".2f"),
+            ])
+    return markdown_table(header, rows, "ll" + "r" * 9)

@@ -294,3 +294,168 @@ def test_memory_profile_pads_every_run():
         cmd = command(case, profile, Path("out"))
         assert cmd[cmd.index("--pad-to") + 1] == str(profile.pad_to)
     assert "--pad-to" not in command(PROFILES["cpu"].cases()[0], PROFILES["cpu"], Path("out"))
+
+
+# ------------------------------------------------ the transformers path (python -m bench --hf)
+
+def _recipe_config(cmd):
+    """The config a recipe started by ``cmd`` (a bench.launch command) gets, parsed as torchtune parses it."""
+    from omegaconf import OmegaConf
+    from torchtune.config._parse import TuneRecipeArgumentParser
+    from torchtune.config._utils import _merge_yaml_and_cli_args
+
+    args = cmd[cmd.index("--config"):]
+    args[1] = str(REPO / args[1])
+    yaml_args, cli_args = TuneRecipeArgumentParser().parse_known_args(args)
+    return OmegaConf.to_container(_merge_yaml_and_cli_args(yaml_args, cli_args), resolve=True)
+
+
+def _flat(node, prefix=""):
+    out = {}
+    for key, value in node.items():
+        if isinstance(value, dict) and value:
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _differences(a, b, skip):
+    fa, fb = _flat(a), _flat(b)
+    keys = (k for k in set(fa) | set(fb) if k.split(".")[0] not in skip)
+    return sorted(k for k in keys if fa.get(k, "absent") != fb.get(k, "absent"))
+
+
+@pytest.mark.parametrize("name", ["hf", "hf_quick"])
+def test_the_transformers_path_trains_as_the_torchtune_path(name, tmp_path):
+    """Both runs of a group get the same config but for what builds the model (and where it writes):
+    the same tokenizer (the folder's own chat template would add a system prompt), schedule, sizes, mode."""
+    from bench.cases import MODEL_KEYS, OURS_HF_EACH, TRANSFORMERS_CONFIGS
+
+    profile = PROFILES[name]
+    (group,) = profile.groups
+    assert set(group.variants) == {OURS_EACH, OURS_HF_EACH}
+    # the same output_dir for both: paths under it (metric_logger.log_dir) then compare too
+    tt = _recipe_config(command(Case(group, OURS_EACH), profile, tmp_path))
+    hf_cmd = command(Case(group, OURS_HF_EACH), profile, tmp_path)
+    hf = _recipe_config(hf_cmd)
+    assert hf_cmd[hf_cmd.index("--config") + 1] == TRANSFORMERS_CONFIGS["full"]
+    assert _differences(tt, hf, MODEL_KEYS) == []
+    assert hf["model"]["_component_"] == "torchtune_ext.hf.causal_lm"
+    assert tt["model"]["_component_"] == "torchtune_ext.models.smollm2_135m"
+    assert hf["model"]["path"] == hf["checkpointer"]["checkpoint_dir"] == tt["checkpointer"]["checkpoint_dir"]
+    assert hf["tokenizer"]["max_seq_len"] == profile.max_seq_len_of(group)
+    assert hf["backward_once_per_step"] is False and hf["enable_activation_checkpointing"] is False
+
+    # what the alignment does: without it, the two configs differ in these keys (among others)
+    start = hf_cmd.index("--config") + 2
+    unaligned = hf_cmd[:start] + ["model_dir=" + tt["checkpointer"]["checkpoint_dir"]] + [
+        a for a in hf_cmd[start:] if a in command(Case(group, OURS_EACH), profile, tmp_path)]
+    left = _differences(tt, _recipe_config(unaligned), MODEL_KEYS)
+    assert {"tokenizer._component_", "lr_scheduler.num_warmup_steps"} <= set(left)
+
+
+def test_the_transformers_path_refuses_what_it_cannot_align(tmp_path, monkeypatch):
+    from bench import cases
+
+    with pytest.raises(ValueError, match="one device"):
+        command(Case(Group("full", 2, 4, (cases.OURS_HF_EACH,)), cases.OURS_HF_EACH), PROFILES["hf"], tmp_path)
+    # a key only the transformers config sets would train one path differently: refused, naming it
+    extra = tmp_path / "hf.yaml"
+    extra.write_text((REPO / cases.TRANSFORMERS_CONFIGS["full"]).read_text() + "\nlabel_smoothing: 0.1\n")
+    monkeypatch.setitem(cases.TRANSFORMERS_CONFIGS, "full", str(extra))
+    with pytest.raises(ValueError, match="label_smoothing"):
+        cases.transformers_path_overrides("full")
+
+
+def test_the_hf_profile_warms_up_both_paths(tmp_path, monkeypatch):
+    """One warm-up per model code: the transformers path imports and loads other code than the torchtune path."""
+    import argparse
+
+    from bench import __main__ as bench_main
+    from bench import runner
+
+    started = []
+    monkeypatch.setattr(runner, "execute", lambda case, profile, out, steps=None: started.append(case.variant) or {})
+    bench_main.warmups(PROFILES["hf"], argparse.Namespace(work_dir=tmp_path))
+    assert sorted(started) == sorted(PROFILES["hf"].groups[0].variants)
+
+
+def _timed_run(case, repeat, periods, peak_gib, loss, tokens=(100, 100, 300, 200)):
+    steps = [{"step": i + 1, "period": p, "non_padding_tokens": tokens[i], "trainable_tokens": 40,
+              "trainable_tokens_pre_shift": 41, "loss": loss[i], "grad_norm": 1.0, "logged_tokens": 40}
+             for i, p in enumerate(periods)]
+    return {"case": case.name, "group": case.group.name, "variant": case.variant, "repeat": repeat,
+            "steps": steps, "peak_memory_bytes": [peak_gib * analysis.GIB], "mean_sample_tokens": 100.0,
+            "accounting": {}, "foreign_cpu": 0.1 * repeat, "load_samples": [[2.0 + repeat, 1.0, 1.0]]}
+
+
+def test_transformers_report_ratios_targets_and_table():
+    from bench.cases import OURS_HF_EACH
+
+    group = Group("full", 1, 4, (OURS_EACH, OURS_HF_EACH))
+    tt_case, hf_case = Case(group, OURS_EACH), Case(group, OURS_HF_EACH)
+    # steps 3 and 4 are measured (skip 2); the torchtune path runs them at 100 tokens/s in repeat 0,
+    # 50 tokens/s in repeat 1; the transformers path at 0.9x of that
+    tt = [_timed_run(tt_case, 0, [None, 9.0, 3.0, 2.0], 3.0, (1.0, 1.0, 0.9, 0.8)),
+          _timed_run(tt_case, 1, [None, 9.0, 6.0, 4.0], 3.2, (1.0, 1.0, 0.9, 0.8))]
+    hf = [_timed_run(hf_case, 0, [None, 9.0, 3.0 / 0.9, 2.0 / 0.9], 3.3, (1.0, 1.0, 0.9, 0.8 * (1 + 2e-6))),
+          _timed_run(hf_case, 1, [None, 9.0, 6.0 / 0.9, 4.0 / 0.9], 3.2, (1.0, 1.0, 0.9, 0.8))]
+    comps = report.transformers_comparisons({OURS_EACH: tt, OURS_HF_EACH: hf}, skip_steps=2)
+    comp = comps[OURS_HF_EACH]
+    assert set(comps) == {OURS_HF_EACH}
+    assert comp["step_median_ratio"] == pytest.approx(0.9)
+    assert comp["paired_step_median_ratio"]["min"] == pytest.approx(0.9)
+    assert comp["memory_ratio"] == pytest.approx(3.25 / 3.1)
+    assert comp["paired_memory_ratio"]["max"] == pytest.approx(1.1)
+    assert comp["max_rel_diff_loss"] == pytest.approx(2e-6)
+    assert comp["same_tokens"] is True
+
+    groups = {group.name: {"label": group.label, "comparisons": comps}}
+    targets = report.evaluate_transformers_targets({}, groups)
+    assert [t["met"] for t in targets] == [False, True, True, True]  # 0.9 < 0.95; 1.048 <= 1.05
+    text = report.transformers_targets_table(targets)
+    assert "**not met**" in text and "0.900" in text
+
+    cases = {c.name: {"summary": report.summarize_case(runs, 2, lambda s: 1e9, 1e12)}
+             for c, runs in ((tt_case, tt), (hf_case, hf))}
+    table = report.transformers_table(cases, groups, [group.name], {tt_case.name: tt, hf_case.name: hf}, 2)
+    rows = {line.split(" | ")[1]: line for line in table.splitlines()[2:]}
+    hf_row = rows["ours, transformers model (configs/hf), backward_once_per_step=false"]
+    # per-step medians over both repeats: torchtune path steps at 100, 100, 50, 50 tokens/s -> 75
+    assert "| 75 |" in rows["ours, backward_once_per_step=false"]
+    assert "| 0.900 (0.90–0.90) | 0.900 |" in hf_row and "| 1.048 |" in hf_row and "| 2.0e-06 |" in hf_row
+    assert "| 2.50 |" in hf_row  # the median load average sampled during its runs
+
+
+def test_the_hf_profiles_render(tmp_path):
+    """The hf report renders from a results JSON (what a finished `python -m bench --hf` writes)."""
+    import argparse
+
+    from bench.__main__ import render
+    from bench.cases import OURS_HF_EACH
+
+    profile = PROFILES["hf_quick"]
+    (group,) = profile.groups
+    runs = [{**_timed_run(Case(group, v), 0, [None, 2.0 * k, 2.0 * k], 3.0, (1.0, 0.9, 0.8), (100, 100, 100)),
+             "tag": "r0"} for v, k in ((OURS_EACH, 1.0), (OURS_HF_EACH, 1.25))]
+    result = {"profile": {**profile.__dict__, "groups": [g.__dict__ for g in profile.groups]},
+              "command": "python -m bench --hf-quick", "finished": "2026-12-04T09:00:00",
+              "machine": {"cpus": 2, "memory_gib": 23}, "runs": runs,
+              "model": {"full": {"trainable_params": 100, "frozen_params": 0, "num_layers": 1, "attn_dim": 8}},
+              "peak": {"flops_per_second": 1e12, "dtype": "float32", "n": 2048}}
+    path = tmp_path / "in.json"
+    path.write_text(json.dumps(result))
+    assert render(path, argparse.Namespace(results_dir=tmp_path / "out", work_dir=tmp_path / "work")) == 0
+    text = (tmp_path / "out" / "hf_quick.md").read_text()
+    assert "the transformers path against the torchtune path" in text
+    assert "| 0.800 |" in text and "**not met**" in text
+    assert "grad_norm" not in json.loads((tmp_path / "out" / "hf_quick.json").read_text())
+
+
+def test_run_timeout_from_the_command_line():
+    """On a shared machine a run can outlast its profile's limit per run; --run-timeout-s raises it."""
+    from bench.__main__ import build_profile, parse_args
+
+    assert build_profile(parse_args(["--hf"])).run_timeout_s == PROFILES["hf"].run_timeout_s
+    assert build_profile(parse_args(["--hf", "--run-timeout-s", "3600"])).run_timeout_s == 3600

@@ -29,7 +29,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from torchtune_ext.models import decoder_layer_classes
+from torchtune_ext.models import decoder_layer_classes, is_hf_model
 
 
 def wrap_model(model: nn.Module, *, checkpointing: bool, offloading: bool, compile: bool) -> None:
@@ -123,13 +123,17 @@ def set_log_level(level: str) -> None:
 
 
 class _EmbeddingRowsIntoGrad(torch.autograd.Function):
-    """Token embedding lookup whose backward adds the used rows straight into ``weight.grad``."""
+    """Token embedding lookup whose backward adds the used rows straight into ``weight.grad``.
+
+    ``padding_idx`` as ``nn.Embedding``'s: that row's lookups add nothing to the gradient.
+    """
 
     @staticmethod
-    def forward(ctx, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, ids: torch.Tensor, weight: torch.Tensor, padding_idx: Optional[int]) -> torch.Tensor:
         ctx.save_for_backward(ids)
         ctx.weight = weight
-        return torch.nn.functional.embedding(ids, weight)
+        ctx.padding_idx = padding_idx
+        return torch.nn.functional.embedding(ids, weight, padding_idx)
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
@@ -137,11 +141,15 @@ class _EmbeddingRowsIntoGrad(torch.autograd.Function):
         weight = ctx.weight
         if weight.grad is None:
             weight.grad = torch.zeros_like(weight)
+        ids = ids.reshape(-1)
         rows = grad_output.reshape(-1, grad_output.size(-1)).to(weight.grad.dtype)
-        weight.grad.index_add_(0, ids.reshape(-1), rows)
+        if ctx.padding_idx is not None:
+            keep = ids != ctx.padding_idx
+            ids, rows = ids[keep], rows[keep]
+        weight.grad.index_add_(0, ids, rows)
         # No gradient through autograd: the weight's accumulator still runs after
         # this node (the edge exists), with the tied output projection's gradient.
-        return None, None
+        return None, None, None
 
 
 class _RowsIntoGradEmbedding(nn.Embedding):
@@ -153,7 +161,24 @@ class _RowsIntoGradEmbedding(nn.Embedding):
     """
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return _EmbeddingRowsIntoGrad.apply(ids, self.weight)
+        return _EmbeddingRowsIntoGrad.apply(ids, self.weight, self.padding_idx)
+
+
+def _tied_token_embedding(model: nn.Module) -> Optional[nn.Module]:
+    """The token embedding whose weight the model's output projection shares; None if untied or unknown.
+
+    torchtune: ``model.output`` is a ``TiedLinear`` over ``model.tok_embeddings``.
+    transformers (:func:`torchtune_ext.hf.causal_lm`): ``lm_head`` (an
+    ``nn.Linear``) holds the input embedding's weight itself (``tie_word_embeddings``).
+    """
+    if is_hf_model(model):
+        embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+        tied = type(head) is nn.Linear and embedding is not None and head.weight is embedding.weight
+        return embedding if tied else None
+    from torchtune.modules import TiedLinear
+
+    embedding, output = getattr(model, "tok_embeddings", None), getattr(model, "output", None)
+    return embedding if isinstance(output, TiedLinear) and output.tied_module is embedding else None
 
 
 def embedding_rows_into_grad(model: nn.Module, device: torch.device, compiled: bool = False) -> bool:
@@ -183,29 +208,28 @@ def embedding_rows_into_grad(model: nn.Module, device: torch.device, compiled: b
     post-accumulate-grad hooks (``optimizer_in_bwd``) see the whole gradient.
 
     Applied only where that holds and was measured: the output projection is
-    torchtune's ``TiedLinear`` over ``model.tok_embeddings`` (so every backward
-    reaches the accumulator: the loss keeps an empty chunk even when a
-    micro-batch has no trainable token), a plain ``nn.Embedding`` (no
-    ``padding_idx``, ``max_norm``, frequency scaling or sparse gradient) that
-    trains (not LoRA's frozen base), the weight is a plain tensor (not an FSDP2
-    shard), the device is a CPU and the model is not compiled.
+    torchtune's ``TiedLinear`` over ``model.tok_embeddings``, or a transformers
+    model's ``lm_head`` (an ``nn.Linear``) holding its input embedding's weight
+    (so every backward reaches the accumulator: the loss keeps an empty chunk
+    even when a micro-batch has no trainable token), a plain ``nn.Embedding``
+    (no ``max_norm``, frequency scaling or sparse gradient; a ``padding_idx``
+    row gets no gradient from its lookups, as in ``nn.Embedding``: transformers'
+    Llama sets it to ``pad_token_id``, which SmolLM2's config makes its
+    ``<|im_end|>``) that trains (not LoRA's frozen base), the weight is a plain
+    tensor (not an FSDP2 shard), the device is a CPU and the model is not compiled.
 
     Args:
-        model: a torchtune ``TransformerDecoder``, weights loaded.
+        model: a torchtune ``TransformerDecoder`` or a transformers model of
+            :func:`torchtune_ext.hf.causal_lm`, weights loaded.
         device: where it trains.
         compiled: the ``compile`` key.
 
     Returns:
         True if the embedding's backward now writes into ``.grad``.
     """
-    from torchtune.modules import TiedLinear
-
-    embedding = getattr(model, "tok_embeddings", None)
-    output = getattr(model, "output", None)
+    embedding = _tied_token_embedding(model)
     if (device.type != "cpu" or compiled or type(embedding) is not nn.Embedding
-            or not isinstance(output, TiedLinear) or output.tied_module is not embedding
-            or embedding.padding_idx is not None or embedding.max_norm is not None
-            or embedding.scale_grad_by_freq or embedding.sparse
+            or embedding.max_norm is not None or embedding.scale_grad_by_freq or embedding.sparse
             or not embedding.weight.requires_grad or type(embedding.weight.data) is not torch.Tensor):
         return False
     embedding.__class__ = _RowsIntoGradEmbedding
