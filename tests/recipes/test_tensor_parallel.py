@@ -3,7 +3,8 @@
 2 data-parallel x 2 tensor-parallel ranks train the tiny Llama exactly as 4
 data-parallel ranks do on the same global batch of 4 samples per optimizer
 step (4 ranks x batch 1; 2 ranks x batch 1 x 2 micro-batches), the
-gathered checkpoint of either layout resumes on the other, and two
+checkpoint of either layout resumes on the other (the tensor-parallel run
+saves sharded checkpoints, the data-parallel one gathered ones), and two
 launchers of 2 processes meeting at a rendezvous on loopback (two
 "nodes") train as one launcher of 4. Each 4-process
 launch costs ~1 min on 2 cores: the runs are shared by the tests of this
@@ -35,9 +36,10 @@ SETTINGS = ["max_steps_per_epoch=4", "save_every_n_steps=2", "lr_scheduler.num_w
             "clip_grad_norm=1.0", "shuffle=true"]
 # the same global batch: batch_size x gradient_accumulation_steps x data-parallel ranks = 4 (of 16 samples)
 LAYOUTS = {"dp4": ["tensor_parallel_dim=1", "batch_size=1", "gradient_accumulation_steps=1"],
-           # activation checkpointing changes no number: on here, the plan must find the layers inside its wrappers
+           # activation checkpointing changes no number: on here, the plan must find the layers inside its wrappers;
+           # sharded (DCP) checkpoints: step_2 of each layout resumes on the other across both kinds of checkpoint
            "dp2_tp2": ["tensor_parallel_dim=2", "batch_size=1", "gradient_accumulation_steps=2",
-                       "enable_activation_checkpointing=true"]}
+                       "enable_activation_checkpointing=true", "sharded_checkpoints=true"]}
 
 
 def launch(tmp_path, assets, name, *overrides):
@@ -101,8 +103,12 @@ def test_two_by_two_tensor_parallel_equals_four_data_parallel(runs):
 
 @pytest.mark.parametrize("name", ["dp2_tp2_then_dp4", "dp4_then_dp2_tp2"])
 def test_a_checkpoint_resumes_on_the_other_layout(runs, name):
-    """step_2 of one layout, continued on the other: steps 3 and 4 as the uninterrupted run had them."""
+    """step_2 of one layout, continued on the other: steps 3 and 4 as the uninterrupted run had them.
+
+    The 2 x 2 run's checkpoints are sharded (each rank wrote its DTensor shards with DCP): resumed on 4
+    data-parallel ranks they are resharded; a gathered 4-rank checkpoint is split over the 2-D mesh."""
     source = name.split("_then_")[0]
+    assert (runs["dp2_tp2"][0] / "step_2" / "dcp").is_dir() and not (runs["dp4"][0] / "step_2" / "dcp").exists()
     got = read_jsonl(runs[name][0] / "logs" / "metrics.jsonl")
     assert [r["step"] for r in got] == [3, 4]
     assert_same_steps(got, read_jsonl(runs[source][0] / "logs" / "metrics.jsonl")[2:])
