@@ -16,9 +16,11 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from transformers import AutoModelForCausalLM
 
 from hf_tiny import build_loaded, write_tiny
-from torchtune_ext.checkpoint import export_hf
+from torchtune_ext.checkpoint import export_hf, load_model_shards
+from torchtune_ext.checkpoint.sharded import sharded_state_dict
 from torchtune_ext.config import ConfigError
 from torchtune_ext.config.combinations import check_sharded_checkpoints
+from torchtune_ext.hf import causal_lm
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 IDS = torch.randint(3, 100, (2, 10), generator=torch.Generator().manual_seed(0))
@@ -88,3 +90,17 @@ def test_sharded_checkpoints_take_the_hf_checkpointer_and_refuse_others():
     cfg.checkpointer._component_ = "torchtune.training.FullModelMetaCheckpointer"
     with pytest.raises(ConfigError, match="^config key 'sharded_checkpoints'.*FullModelMetaCheckpointer"):
         check_sharded_checkpoints(cfg)
+
+
+def test_shards_load_into_a_transformers_model_built_on_meta_with_its_computed_buffers(tmp_path):
+    """causal_lm on the meta device computes its RoPE frequencies on CPU (non-persistent buffers, in no
+    checkpoint): loading the shards gives the parameters storage and must keep those buffers' values."""
+    folder = write_tiny("qwen3", tmp_path / "base")
+    trained = build_loaded(folder)
+    step = tmp_path / "step_1"
+    dcp.save({"model": get_model_state_dict(trained)}, checkpoint_id=str(step / "dcp"), no_dist=True)
+    with torch.device("meta"):
+        model = causal_lm(folder, dtype="fp32")
+    load_model_shards(model, sharded_state_dict(step), torch.device("cpu"))
+    with torch.no_grad():
+        assert torch.equal(model.eval()(IDS), trained.eval()(IDS))

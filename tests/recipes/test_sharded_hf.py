@@ -5,7 +5,8 @@ A tiny random Qwen3 folder (tied embeddings) as in tests/recipes/test_hf.py. Ful
 saves asynchronously every 2 steps; its step_2 resumes in one process (batch 1 x 4 accumulation steps: the
 same global batch) and must continue the uninterrupted run (loss and grad norm to 1e-5). The final folders of
 the sharded runs (full and LoRA) must give the logits of the gathered runs' folders in transformers (LoRA:
-the merged model, and PEFT's adapter on the base folder too).
+the merged model, and PEFT's adapter on the base folder too); so must a periodic checkpoint exported on request
+(``python -m torchtune_ext.checkpoint.export``).
 """
 
 import json
@@ -16,6 +17,7 @@ import torch
 
 from helpers import read_jsonl, rel_diff, run_tune
 from hf_tiny import write_tiny
+from torchtune_ext.checkpoint.export import main as export_main
 
 pytestmark = pytest.mark.slow
 
@@ -65,7 +67,8 @@ IDS = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0
 def test_full_sharded_resumes_on_one_rank_and_exports_the_gathered_folder(folder):
     sharded = tune(folder, "full", folder / "full_sharded", "batch_size=1", "gradient_accumulation_steps=2",
                    "enable_async_checkpointing=true", "save_every_n_steps=2")
-    gathered = tune(folder, "full", folder / "full_gathered", "batch_size=1", "gradient_accumulation_steps=2")
+    gathered = tune(folder, "full", folder / "full_gathered", "batch_size=1", "gradient_accumulation_steps=2",
+                    "save_every_n_steps=2")
     assert (sharded / "step_2" / "dcp" / ".metadata").is_file() and not (sharded / "step_2" / "config.json").exists()
     resumed = folder / "full_resumed"
     shutil.copytree(sharded / "step_2", resumed / "step_2")
@@ -83,6 +86,9 @@ def test_full_sharded_resumes_on_one_rank_and_exports_the_gathered_folder(folder
                      "model.safetensors"):
             assert (final / name).is_file(), (final, name)
         assert rel_diff(logits(final, IDS), want) <= TOL, final
+    # on request, in one process: a periodic checkpoint (shards only) of 2 ranks
+    assert export_main([str(sharded / "step_2"), str(folder / "step_2_hf")]) == 0
+    assert rel_diff(logits(folder / "step_2_hf", IDS), logits(gathered / "step_2", IDS)) <= TOL
 
 
 def test_lora_sharded_exports_the_gathered_folder_and_adapter(folder):
