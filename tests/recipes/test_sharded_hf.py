@@ -1,12 +1,12 @@
 """Sharded checkpoints on the transformers model path (configs/hf/*.yaml): resume at another world size, and
 the final Hugging Face folder, written file by file from the shards, is the one a gathered save writes.
 
-A tiny random Qwen3 folder (tied embeddings) as in tests/recipes/test_hf.py. Full fine-tuning on 2 ranks
-saves asynchronously every 2 steps; its step_2 resumes in one process (batch 1 x 4 accumulation steps: the
-same global batch) and must continue the uninterrupted run (loss and grad norm to 1e-5). The final folders of
-the sharded runs (full and LoRA) must give the logits of the gathered runs' folders in transformers (LoRA:
-the merged model, and PEFT's adapter on the base folder too); so must a periodic checkpoint exported on request
-(``python -m torchtune_ext.checkpoint.export``).
+A tiny random Qwen3 folder (tied embeddings) as in tests/recipes/test_hf.py. Full fine-tuning on 2
+ranks saves asynchronously every 2 steps (LoRA synchronously); its step_2 resumes in one process (batch
+1 x 4 accumulation steps: the same global batch) and must continue the uninterrupted run (loss and grad
+norm to 1e-5). The final folders of the sharded runs (full and LoRA) must give the logits of the gathered
+runs' folders in transformers (LoRA: the merged model, and PEFT's adapter on the base folder too); so
+must a periodic checkpoint exported on request (``python -m torchtune_ext.checkpoint.export``).
 """
 
 import json
@@ -61,6 +61,15 @@ def logits(path, ids, adapter=None):
         return model.eval()(ids).logits
 
 
+def _assert_continues(got, ref):
+    """Steps 3-4 of a run resumed from step 2 equal the uninterrupted run's."""
+    assert [r["step"] for r in ref] == [1, 2, 3, 4] and [r["step"] for r in got] == [3, 4]
+    for a, b in zip(got, ref[2:]):
+        assert a["num_tokens"] == b["num_tokens"] and a["lr"] == b["lr"]
+        for field in ("loss", "grad_norm"):
+            assert abs(a[field] - b[field]) <= TOL * abs(b[field]), field
+
+
 IDS = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
 
 
@@ -74,12 +83,7 @@ def test_full_sharded_resumes_on_one_rank_and_exports_the_gathered_folder(folder
     shutil.copytree(sharded / "step_2", resumed / "step_2")
     tune(folder, "full", resumed, "batch_size=1", "gradient_accumulation_steps=4", "sharded_checkpoints=true",
          "resume_from_checkpoint=true", nproc=1)
-    ref, got = read_jsonl(sharded / "logs" / "metrics.jsonl"), read_jsonl(resumed / "logs" / "metrics.jsonl")
-    assert [r["step"] for r in ref] == [1, 2, 3, 4] and [r["step"] for r in got] == [3, 4]
-    for a, b in zip(got, ref[2:]):
-        assert a["num_tokens"] == b["num_tokens"] and a["lr"] == b["lr"]
-        for field in ("loss", "grad_norm"):
-            assert abs(a[field] - b[field]) <= TOL * abs(b[field]), field
+    _assert_continues(read_jsonl(resumed / "logs" / "metrics.jsonl"), read_jsonl(sharded / "logs" / "metrics.jsonl"))
     want = logits(gathered / f"step_{STEPS}", IDS)
     for final in (sharded / f"step_{STEPS}", resumed / f"step_{STEPS}"):
         for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -93,8 +97,14 @@ def test_full_sharded_resumes_on_one_rank_and_exports_the_gathered_folder(folder
 
 def test_lora_sharded_exports_the_gathered_folder_and_adapter(folder):
     settings = ("batch_size=1", "gradient_accumulation_steps=2", "model.lora_rank=4", "model.lora_alpha=8")
-    sharded = tune(folder, "lora", folder / "lora_sharded", *settings, "sharded_checkpoints=true")
+    sharded = tune(folder, "lora", folder / "lora_sharded", *settings, "sharded_checkpoints=true",
+                   "save_every_n_steps=2")
     gathered = tune(folder, "lora", folder / "lora_gathered", *settings)
+    resumed = folder / "lora_resumed"  # 2 ranks -> 1, the same global batch (configs/hf/lora.yaml: no dropout)
+    shutil.copytree(sharded / "step_2", resumed / "step_2")
+    tune(folder, "lora", resumed, "batch_size=1", "gradient_accumulation_steps=4", "model.lora_rank=4",
+         "model.lora_alpha=8", "sharded_checkpoints=true", "resume_from_checkpoint=true", nproc=1)
+    _assert_continues(read_jsonl(resumed / "logs" / "metrics.jsonl"), read_jsonl(sharded / "logs" / "metrics.jsonl"))
     got, want = sharded / f"step_{STEPS}", gathered / f"step_{STEPS}"
     assert (got / "dcp" / ".metadata").is_file()
     reference = logits(want, IDS)
