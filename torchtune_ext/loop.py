@@ -37,6 +37,7 @@ from torchtune_ext.checkpoint import (
     Progress,
     expected_checkpoint_bytes,
     export_hf,
+    is_adapter_key,
     latest_checkpoint,
     load_optimizer_shards,
     load_recipe_state,
@@ -317,7 +318,7 @@ class TrainingRun:
             export = partial(_export_step, cfg=cfg, adapter_only=adapter_only)
             export_bytes = 0 if adapter_only else sum(
                 p.numel() * p.element_size() for name, p in self.model.state_dict().items()
-                if not any(part in name for part in ("lora_a", "lora_b", "magnitude")))
+                if not is_adapter_key(name))
         rng_by_rank = parallel.gather_rng_states() if self.distributed else None
         return self.checkpoints.save_sharded(
             self.model, self.optimizer, self.progress, rng_by_rank=rng_by_rank, keys=keys, export=export,

@@ -65,7 +65,7 @@ from torchtune_ext.checkpoint.discovery import (
     verify_checkpoint,
 )
 from torchtune_ext.checkpoint.failures import write_failed
-from torchtune_ext.checkpoint.hf_export import export_hf, export_step
+from torchtune_ext.checkpoint.hf_export import ExportLayout, export_hf, export_step
 from torchtune_ext.checkpoint.lora_export import arrange_lora_folder, lora_checkpoint_state, peft_adapter_weights
 from torchtune_ext.checkpoint.model_state import check_adapter_fits, check_model_fits, load_model_state
 from torchtune_ext.checkpoint.progress import Progress
@@ -74,9 +74,11 @@ from torchtune_ext.checkpoint.rng import rng_state, set_rng_state
 from torchtune_ext.checkpoint.sharded import (
     DCP_DIR,
     ShardedStateDict,
+    is_adapter_key,
     is_sharded,
     load_model_shards,
     load_optimizer_shards,
+    read_full_tensors,
     saved_tensors,
 )
 from torchtune_ext.checkpoint.sizing import expected_checkpoint_bytes, planned_save_steps, tensor_bytes
@@ -94,6 +96,7 @@ __all__ = [
     "CheckpointSaveError",
     "DCP_DIR",
     "DiskSpaceError",
+    "ExportLayout",
     "OutputWriteError",
     "Progress",
     "ResumeState",
@@ -107,6 +110,7 @@ __all__ = [
     "file_sha256",
     "incomplete_checkpoints",
     "intact_before",
+    "is_adapter_key",
     "is_sharded",
     "latest_checkpoint",
     "list_checkpoints",
@@ -117,6 +121,7 @@ __all__ = [
     "lora_checkpoint_state",
     "make_readable",
     "peft_adapter_weights",
+    "read_full_tensors",
     "planned_save_steps",
     "rng_state",
     "saved_tensors",

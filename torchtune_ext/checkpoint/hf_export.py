@@ -29,6 +29,7 @@ and are refused by the config check
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
@@ -42,13 +43,41 @@ from torchtune_ext.checkpoint.discovery import MANIFEST, RECIPE_STATE
 from torchtune_ext.checkpoint.lora_export import adapter_config, arrange_lora_folder
 from torchtune_ext.checkpoint.resume_state import load_recipe_state
 from torchtune_ext.checkpoint.sharded import is_adapter_key, is_sharded, read_full_tensors, saved_tensors
-from torchtune_ext.config import lora_settings
+from torchtune_ext.config import import_component, lora_settings
 from torchtune_ext.errors import UserError
 
 INDEX = "model.safetensors.index.json"
 # What the HF checkpointer does not copy from the base folder: weights and their indexes (torchtune's list),
 # and what a step folder holds of its own.
 _NOT_COPIED = (".pt", ".pth", ".bin", ".safetensors", ".index.json", ".distcp")
+
+
+@dataclass(frozen=True)
+class ExportLayout:
+    """How a checkpointer's Hugging Face folder is laid out, for :func:`export_hf` (any subset of the keys).
+
+    The default is torchtune's ``FullModelHFCheckpointer`` (:func:`torchtune_layout`); a checkpointer class
+    with a ``sharded_export_layout(cfg_checkpointer, cfg_model, saved)`` method gives its own
+    (:meth:`torchtune_ext.hf.HFCheckpointer.sharded_export_layout`: the model's keys are HF names already).
+
+    Attributes:
+        convert: saved keys (merged, adapters dropped) -> HF names and layout; meta tensors give the names alone.
+        merge: LoRA: one file's tensors with their adapters merged in (meta tensors: the names the merge
+            keeps); else the identity.
+        base_key: the weight an adapter tensor belongs to, so that both go into the same file.
+        base_files: HF key -> the base folder's weight file holding it (:func:`base_file_of`).
+        write_others: ``(out, step_folder, adapter_only)`` -> names: rank 0's files besides the weights
+            (config, tokenizer, the adapter).
+        single_file: the name of a lone weight file written without an index (None: always the
+            ``model-0000i-of-0000n`` names and the index).
+    """
+
+    convert: Callable[[Dict[str, torch.Tensor]], Dict[str, torch.Tensor]]
+    merge: Callable[[Dict[str, torch.Tensor]], Dict[str, torch.Tensor]]
+    base_key: Callable[[str], str]
+    base_files: Dict[str, str]
+    write_others: Callable[[Path, Path, bool], List[str]]
+    single_file: Optional[str] = None
 
 
 def tune_to_hf(model_type: str, hf_config: Dict[str, Any]) -> Callable[[Dict[str, torch.Tensor]], Dict]:
@@ -97,15 +126,15 @@ def _base_key(key: str) -> str:
     return key
 
 
-def _plan(model_keys: Dict[str, torch.Tensor], convert: Callable, base_files: Dict[str, str]) -> List[List[str]]:
-    """The output files: lists of torchtune keys, in the order of the base files (adapters with their weight)."""
+def _plan(model_keys: Dict[str, torch.Tensor], layout: ExportLayout) -> List[List[str]]:
+    """The output files: lists of saved keys, in the order of the base files (adapters with their weight)."""
     file_of: Dict[str, str] = {}
-    for key, meta in model_keys.items():
-        base = _base_key(key)
+    for key in model_keys:
+        base = layout.base_key(key)
         if base not in model_keys:
             continue
-        hf_keys = list(convert({base: model_keys[base]}))  # meta tensors: names and shapes only
-        file_of[key] = base_files.get(hf_keys[0], "") if hf_keys else ""
+        hf_keys = list(layout.convert(layout.merge({base: model_keys[base]})))  # meta tensors: names and shapes
+        file_of[key] = layout.base_files.get(hf_keys[0], "") if hf_keys else ""
     order = sorted(set(file_of.values()))
     return [[k for k in model_keys if file_of.get(k) == name] for name in order]
 
@@ -123,6 +152,33 @@ def copy_base_files(checkpoint_dir: Path, folder: Path) -> List[str]:
     return copied
 
 
+def torchtune_layout(cfg_checkpointer: Any, cfg_model: Any, saved: Dict[str, torch.Tensor]) -> ExportLayout:
+    """torchtune's ``FullModelHFCheckpointer`` folder: torchtune's converter of ``checkpointer.model_type``,
+    the base checkpoint's files, the LoRA merge of torchtune's adapters (see the module docstring)."""
+    checkpoint_dir = Path(str(cfg_checkpointer.checkpoint_dir))
+    hf_config = json.loads((checkpoint_dir / "config.json").read_text())
+    settings = lora_settings(cfg_model) if any(is_adapter_key(k) for k in saved) else None
+
+    def write_others(out: Path, step_folder: Path, adapter_only: bool) -> List[str]:
+        written = copy_base_files(checkpoint_dir, out)
+        if settings is not None:
+            adapter = read_full_tensors(step_folder, {k: v for k, v in saved.items() if is_adapter_key(k)})
+            written += _write_adapter(out, adapter, cfg_model, cfg_checkpointer)
+        return written
+
+    return ExportLayout(convert=tune_to_hf(str(cfg_checkpointer.get("model_type", "")).upper(), hf_config),
+                        merge=lambda state: _merged(state, settings), base_key=_base_key,
+                        base_files=base_file_of(checkpoint_dir), write_others=write_others)
+
+
+def export_layout(cfg_checkpointer: Any, cfg_model: Any, saved: Dict[str, torch.Tensor]) -> ExportLayout:
+    """The layout of the configured checkpointer's folders: its class's ``sharded_export_layout``, else torchtune's."""
+    component = import_component("checkpointer._component_", str(cfg_checkpointer._component_))
+    own = getattr(component, "sharded_export_layout", None)
+    return own(cfg_checkpointer, cfg_model, saved) if own is not None else torchtune_layout(
+        cfg_checkpointer, cfg_model, saved)
+
+
 def export_hf(step_folder: Path, out: Path, cfg_checkpointer: Any, cfg_model: Any = None, *,
               adapter_only: bool = False, rank: int = 0, world_size: int = 1) -> List[str]:
     """Write this rank's share of the HF folder of a sharded checkpoint into ``out`` (see the module docstring).
@@ -130,7 +186,8 @@ def export_hf(step_folder: Path, out: Path, cfg_checkpointer: Any, cfg_model: An
     Args:
         step_folder: the checkpoint (its ``dcp/``).
         out: the folder to write (exists).
-        cfg_checkpointer: the run's ``checkpointer`` config (``checkpoint_dir``, ``model_type``).
+        cfg_checkpointer: the run's ``checkpointer`` config (``_component_``, ``checkpoint_dir``,
+            ``model_type``): which layout (:func:`export_layout`).
         cfg_model: the run's ``model`` config: a LoRA model's settings (rank,
             alpha, targets) for the merge and PEFT's adapter config.
         adapter_only: LoRA: the adapter alone, no merged model.
@@ -140,37 +197,31 @@ def export_hf(step_folder: Path, out: Path, cfg_checkpointer: Any, cfg_model: An
     Returns:
         the names (relative to ``out``) of the files this rank wrote.
     """
-    checkpoint_dir = Path(str(cfg_checkpointer.checkpoint_dir))
-    hf_config = json.loads((checkpoint_dir / "config.json").read_text())
-    convert = tune_to_hf(str(cfg_checkpointer.get("model_type", "")).upper(), hf_config)
     model_keys = saved_tensors(step_folder)
-    lora = any(is_adapter_key(k) for k in model_keys)
-    settings = lora_settings(cfg_model) if lora else None
+    layout = export_layout(cfg_checkpointer, cfg_model, model_keys)
     written: List[str] = []
     if not adapter_only:
-        files = _plan(model_keys, convert, base_file_of(checkpoint_dir))
+        files = _plan(model_keys, layout)
         weight_map: Dict[str, str] = {}
         total = 0
         for i, keys in enumerate(files):
-            name = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
-            hf_meta = convert(_merged({k: model_keys[k] for k in keys}, settings))
+            name = layout.single_file if layout.single_file and len(files) == 1 else \
+                f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+            hf_meta = layout.convert(layout.merge({k: model_keys[k] for k in keys}))
             weight_map.update({k: name for k in hf_meta})
             total += sum(t.numel() * t.element_size() for t in hf_meta.values())
             if i % world_size != rank:
                 continue
-            tensors = convert(_merged(read_full_tensors(step_folder, {k: model_keys[k] for k in keys}), settings))
+            tensors = layout.convert(layout.merge(read_full_tensors(step_folder, {k: model_keys[k] for k in keys})))
             save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / name), metadata={"format": "pt"})
             written.append(name)
             del tensors  # one file's tensors at a time
-        if rank == 0:
+        if rank == 0 and not (layout.single_file and len(files) == 1):
             (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                 indent=2))
             written.append(INDEX)
     if rank == 0:
-        written += copy_base_files(checkpoint_dir, out)
-        if lora:
-            adapter = read_full_tensors(step_folder, {k: v for k, v in model_keys.items() if is_adapter_key(k)})
-            written += _write_adapter(out, adapter, cfg_model, cfg_checkpointer)
+        written += layout.write_others(out, step_folder, adapter_only)
     return written
 
 

@@ -154,7 +154,13 @@ def _materialize(model: torch.nn.Module, device: torch.device) -> None:
     """Give a model built on the meta device storage on ``device`` (values follow from the checkpoint), and
     rebuild the buffers no checkpoint holds (the RoPE cache)."""
     if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        # a transformers model built on meta computed its buffers (RoPE frequencies) on CPU already:
+        # to_empty would leave them uninitialized
+        computed = {name: b for name, b in model.named_buffers() if not b.is_meta}
         model.to_empty(device=device)
+        for name, value in computed.items():
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner), attr, value.to(device))
         with device:
             for module in model.modules():
                 if hasattr(module, "rope_init"):

@@ -113,9 +113,14 @@ def _on_cuda(cfg: DictConfig) -> bool:
 SHARDED_EXPORT_MODEL_TYPES = ("LLAMA2", "LLAMA3", "LLAMA3_2", "MISTRAL", "GEMMA", "GEMMA2", "QWEN2")
 
 
+# The transformers models' checkpointer (configs/hf/*.yaml): its layout of a sharded export is its own
+# (torchtune_ext.hf.checkpointer.sharded_export_layout).
+HF_CHECKPOINTERS = ("torchtune_ext.hf.HFCheckpointer", "torchtune_ext.hf.checkpointer.HFCheckpointer")
+
+
 def check_sharded_checkpoints(cfg: DictConfig) -> None:
     """``enable_async_checkpointing`` implies ``sharded_checkpoints``; these need torchtune's HF checkpointer
-    of a family whose final checkpoint can be exported file by file.
+    of a family whose final checkpoint can be exported file by file, or the transformers models' one.
 
     Raises:
         ConfigError: (key ``sharded_checkpoints``) another checkpointer, or a model type it cannot export.
@@ -125,10 +130,13 @@ def check_sharded_checkpoints(cfg: DictConfig) -> None:
     if not cfg.get("sharded_checkpoints"):
         return
     component = str(cfg.checkpointer.get("_component_", ""))
+    if component in HF_CHECKPOINTERS:
+        return  # the model's keys are HF names: any family transformers saves exports file by file
     if not component.endswith(".FullModelHFCheckpointer"):
-        raise ConfigError("sharded_checkpoints", f"needs torchtune's FullModelHFCheckpointer (the final checkpoint "
-                          f"becomes a Hugging Face folder from the shards), not {component}; set "
-                          "sharded_checkpoints=false (and enable_async_checkpointing=false) for this checkpointer")
+        raise ConfigError("sharded_checkpoints", f"needs torchtune's FullModelHFCheckpointer or "
+                          f"torchtune_ext.hf.HFCheckpointer (the final checkpoint becomes a Hugging Face folder "
+                          f"from the shards), not {component}; set sharded_checkpoints=false (and "
+                          "enable_async_checkpointing=false) for this checkpointer")
     model_type = str(cfg.checkpointer.get("model_type", "")).upper()
     if model_type not in SHARDED_EXPORT_MODEL_TYPES:
         raise ConfigError("sharded_checkpoints", f"is not supported for checkpointer.model_type={model_type}: its "

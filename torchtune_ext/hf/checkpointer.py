@@ -30,6 +30,7 @@ weights, the image-text folder's ``generation_config`` and tokenizer files,
 and no image processor files.
 """
 
+import json
 import logging
 import shutil
 from contextlib import contextmanager
@@ -37,12 +38,22 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Union
 
 import torch
-from transformers import AutoModelForCausalLM
+from peft.tuners.lora import LoraLayer
+from torchtune import config as tt_config
+from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers.core_model_loading import revert_weight_conversion
 from transformers.utils import logging as hf_logging
 
-from torchtune_ext.checkpoint import ADAPTER_DIR, MANIFEST, RECIPE_STATE
+from torchtune_ext.checkpoint import (
+    ADAPTER_DIR,
+    MANIFEST,
+    RECIPE_STATE,
+    ExportLayout,
+    is_adapter_key,
+    read_full_tensors,
+)
 from torchtune_ext.errors import ConfigError
-from torchtune_ext.hf.lora import peft_model_from_state
+from torchtune_ext.hf.lora import ADAPTER, peft_model_from_state
 from torchtune_ext.hf.model import language_model_keys, read_model_folder
 
 log = logging.getLogger(__name__)
@@ -209,18 +220,121 @@ class HFCheckpointer:
                 shutil.copy2(path, folder / path.name)
         return folder
 
+    @staticmethod
+    def sharded_export_layout(cfg_checkpointer: Any, cfg_model: Any, saved: Dict[str, torch.Tensor]) -> ExportLayout:
+        """How a sharded checkpoint of a transformers model becomes this checkpointer's folder
+        (:func:`torchtune_ext.checkpoint.hf_export.export_hf`); see :func:`sharded_export_layout`."""
+        return sharded_export_layout(cfg_checkpointer, cfg_model, saved)
+
     def _save_lora(self, folder: Path, state_dict: Dict[str, Any], adapter_only: bool) -> None:
         """``folder/adapter/``: PEFT's adapter files and ``adapter_model.pt`` (the training model's keys, for
         resuming); unless ``adapter_only``, ``folder`` itself: the merged model (PEFT's merge_and_unload)."""
         adapter = state_dict[ADAPTER_KEY]
         state = adapter if adapter_only else {**state_dict[MODEL_KEY], **adapter}
-        peft_model = peft_model_from_state(self._config, state_dict[ADAPTER_CONFIG_KEY], state,
-                                           base_dir=str(self._checkpoint_dir.resolve()),
-                                           trust_remote_code=self._trust_remote_code)
-        # the adapter alone: an adapted lm_head must not bring the base embedding weights along
-        peft_model.save_pretrained(str(folder / ADAPTER_DIR), save_embedding_layers=False)
-        torch.save({k: v.detach().cpu() for k, v in adapter.items()}, folder / ADAPTER_DIR / "adapter_model.pt")
+        peft_model = write_adapter(folder, self._config, state_dict[ADAPTER_CONFIG_KEY], adapter, state,
+                                   base_dir=self._checkpoint_dir, trust_remote_code=self._trust_remote_code)
         if not adapter_only:
             merged = peft_model.merge_and_unload()
             merged.generation_config = self._generation_config or merged.generation_config
             merged.save_pretrained(str(folder))
+
+
+def write_adapter(folder: Path, config: Any, adapter_config: Dict[str, Any], adapter: Dict[str, torch.Tensor],
+                  state: Dict[str, torch.Tensor], *, base_dir: Path, trust_remote_code: bool = False):
+    """``folder/adapter/``: PEFT's adapter files of ``adapter`` and ``adapter_model.pt`` (the training model's
+    keys, for resuming). ``state``: the tensors the returned ``peft.PeftModel`` holds (the adapter, and the
+    base weights for a merge)."""
+    peft_model = peft_model_from_state(config, adapter_config, state, base_dir=str(Path(base_dir).resolve()),
+                                       trust_remote_code=trust_remote_code)
+    # the adapter alone: an adapted lm_head must not bring the base embedding weights along
+    peft_model.save_pretrained(str(folder / ADAPTER_DIR), save_embedding_layers=False)
+    torch.save({k: v.detach().cpu() for k, v in adapter.items()}, folder / ADAPTER_DIR / "adapter_model.pt")
+    return peft_model
+
+
+def sharded_export_layout(cfg_checkpointer: Any, cfg_model: Any, saved: Dict[str, torch.Tensor]) -> ExportLayout:
+    """The folder :meth:`HFCheckpointer.save_checkpoint` writes, from a sharded checkpoint file by file.
+
+    The saved keys are the training model's, HF names already: the layout
+    is the model's own, built from ``cfg_model`` on the meta device (no
+    memory). Per output file: a tied copy is dropped (``lm_head.weight`` of a
+    tied model), LoRA adapters are merged into their weights by PEFT
+    (``merge()`` of each adapted layer of that file, DoRA and fused experts
+    included) and PEFT's ``base_layer`` leaves the names, then transformers'
+    ``revert_weight_conversion`` gives the files' layout (per-expert tensors
+    of a fused mixture-of-experts layer) as ``save_pretrained`` does. The
+    files follow the base folder's (its index); one file is
+    ``model.safetensors`` without an index, as ``save_pretrained`` writes it.
+    Rank 0 also writes ``config.json`` (the trained dtype),
+    ``generation_config.json``, the tokenizer files and, for LoRA,
+    ``adapter/`` (:func:`write_adapter`).
+    """
+    checkpoint_dir = Path(str(cfg_checkpointer.checkpoint_dir))
+    text_only = bool(cfg_checkpointer.get("text_only", False))
+    trust_remote_code = bool(cfg_checkpointer.get("trust_remote_code", False))
+    folder = read_model_folder(checkpoint_dir, key="checkpointer.checkpoint_dir",
+                               trust_remote_code=trust_remote_code, text_only=text_only)
+    with torch.device("meta"):
+        model = tt_config.instantiate(cfg_model)  # the training model's names (PEFT's adapters in place)
+    kept = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}  # not tied copies
+    lora = any(is_adapter_key(k) for k in saved)
+    adapted = {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+
+    def base_key(key: str) -> str:
+        if not is_adapter_key(key):
+            return key
+        module = key[: key.index(".lora_")]
+        return next((k for k in saved if k.startswith(f"{module}.base_layer.")), key)
+
+    def merge(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        state = {k: v for k, v in state.items() if k in kept or is_adapter_key(k)}
+        if not lora or any(t.is_meta for t in state.values()):  # names and shapes: the merge keeps the weight's
+            return {k: v for k, v in state.items() if not is_adapter_key(k)}
+        model.load_state_dict(state, strict=False, assign=True)
+        for name, module in adapted.items():
+            if any(k.startswith(f"{name}.") for k in state):
+                module.merge(adapter_names=[ADAPTER])
+        own = model.state_dict()
+        merged = {k: own[k] for k in state if not is_adapter_key(k)}
+        # the skeleton lets go of this file's tensors: one file's at a time
+        model.load_state_dict({k: torch.empty_like(v, device="meta") for k, v in state.items()}, strict=False,
+                              assign=True)
+        return merged
+
+    def convert(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        plain = {k.replace(".base_layer", ""): v for k, v in state.items()}
+        return revert_weight_conversion(model, plain)
+
+    def write_others(out: Path, step_folder: Path, adapter_only: bool) -> List[str]:
+        written = []
+        dtype = next((t.dtype for t in saved.values() if t.is_floating_point()), torch.float32)
+        if not adapter_only:
+            config = folder.config
+            config.dtype = dtype
+            config.architectures = [type(model).__name__]  # as save_pretrained writes it (adapt keeps the name)
+            config.save_pretrained(str(out))
+            generation = (GenerationConfig.from_pretrained(str(checkpoint_dir))
+                          if (checkpoint_dir / "generation_config.json").is_file()
+                          else GenerationConfig.from_model_config(config))
+            generation.save_pretrained(str(out))
+            for path in tokenizer_files(checkpoint_dir, text_only=folder.image_text is not None):
+                shutil.copy2(path, out / path.name)
+                written.append(path.name)
+            written += ["config.json", "generation_config.json"]
+        if lora:
+            adapter = read_full_tensors(step_folder, {k: v for k, v in saved.items() if is_adapter_key(k)})
+            write_adapter(out, folder.config, model.peft_config[ADAPTER].to_dict(), adapter, adapter,
+                          base_dir=checkpoint_dir, trust_remote_code=trust_remote_code)
+            written += sorted(p.relative_to(out).as_posix() for p in (out / ADAPTER_DIR).rglob("*") if p.is_file())
+        return written
+
+    return ExportLayout(convert=convert, merge=merge, base_key=base_key,
+                        base_files=_base_files(checkpoint_dir), write_others=write_others,
+                        single_file="model.safetensors")
+
+
+def _base_files(checkpoint_dir: Path) -> Dict[str, str]:
+    """HF key -> the base folder's weight file: its safetensors index; {} (one file) without one."""
+    index = checkpoint_dir / "model.safetensors.index.json"
+    return dict(json.loads(index.read_text())["weight_map"]) if index.is_file() else {}
+
