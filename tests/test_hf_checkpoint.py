@@ -52,7 +52,8 @@ def cfg_checkpointer(folder, output_dir):
 def test_saved_step_is_an_hf_folder_and_resumes_exactly(name, folders, tmp_path):
     """Through CheckpointManager as the recipes save: step_1 holds safetensors, config.json,
     generation_config.json and the source folder's tokenizer files; transformers loads it with the
-    trained model's logits; loading it back (a resume) gives the saved state tensor for tensor."""
+    trained model's logits; loading it back (a resume) gives the saved state tensor for tensor. Qwen3 and
+    Gemma 3 tie lm_head to the embedding."""
     folder = folders(name)
     model, _ = trained(folder)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -65,6 +66,9 @@ def test_saved_step_is_an_hf_folder_and_resumes_exactly(name, folders, tmp_path)
     for file in TOKENIZER_FILES:
         assert (step / file).read_bytes() == (folder / file).read_bytes()
     assert json.loads((step / "config.json").read_text())["architectures"] == [model._ext_hf_class.__name__]
+    # the same tensors as the folder transformers wrote: a tied lm_head, a tensor of its own in this state
+    # (as in a gathered FSDP state), is not written a second time
+    assert load_file(step / "model.safetensors").keys() == load_file(folder / "model.safetensors").keys()
 
     tokens = torch.randint(3, 128, (2, 10), generator=torch.Generator().manual_seed(1))
     reloaded = AutoModelForCausalLM.from_pretrained(str(step), dtype=torch.float32)
@@ -141,6 +145,32 @@ def test_model_needing_remote_code_is_refused_unless_trusted(tmp_path):
     err = refused(folder)
     assert err.key == "model.trust_remote_code" and "trust_remote_code=true" in str(err)
     assert refused(folder, key="checkpointer.checkpoint_dir").key == "checkpointer.trust_remote_code"
+
+
+def test_a_known_family_with_code_in_its_folder_runs_transformers_own_class_and_says_so(folders, tmp_path, caplog):
+    """As transformers does without trust_remote_code: a family it knows runs its built-in class even if
+    config.json's auto_map names code in the folder; one line says so (once per folder), nothing is refused."""
+    folder = tmp_path / "qwen3_with_code"
+    folder.mkdir()
+    raw = json.loads((folders("qwen3") / "config.json").read_text())
+    raw["auto_map"] = {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}
+    (folder / "config.json").write_text(json.dumps(raw))
+    with caplog.at_level("WARNING", logger="torchtune_ext.hf.model"):
+        assert check_model_folder(folder).model_type == "qwen3"
+        check_model_folder(folder)
+    said = [r.getMessage() for r in caplog.records if "auto_map" in r.getMessage()]
+    assert len(said) == 1 and "built-in Qwen3ForCausalLM is used instead" in said[0]
+    assert "model.trust_remote_code=true" in said[0]
+
+
+def test_encoders_are_refused_as_not_causal_language_models(tmp_path):
+    """transformers maps BERT-like encoders to a causal LM class that needs is_decoder: true; a folder of
+    such an encoder (or of an encoder-decoder) is one line naming what it is."""
+    AutoConfig.for_model("bert").save_pretrained(str(tmp_path / "bert"))
+    err = refused(tmp_path / "bert")
+    assert err.key == "model.path" and "(model_type 'bert') is an encoder model, not a causal language" in str(err)
+    AutoConfig.for_model("t5").save_pretrained(str(tmp_path / "t5"))
+    assert "is an encoder-decoder model" in str(refused(tmp_path / "t5"))
 
 
 def test_vision_language_models_are_refused_naming_their_class(tmp_path):

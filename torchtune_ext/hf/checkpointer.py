@@ -214,7 +214,12 @@ class HFCheckpointer:
             else:
                 model_state = dict(state_dict[MODEL_KEY])  # save_pretrained takes tensors out of the dict it gets
                 dtype = next((t.dtype for t in model_state.values() if t.is_floating_point()), torch.float32)
-                self._skeleton(dtype).save_pretrained(str(folder), state_dict=model_state)
+                skeleton = self._skeleton(dtype)
+                for name in tied_copies(skeleton):
+                    # a gathered (FSDP) state holds a tied lm_head as a tensor of its own, which
+                    # save_pretrained, finding no shared storage, would write a second time
+                    model_state.pop(name, None)
+                skeleton.save_pretrained(str(folder), state_dict=model_state)
         if not adapter_only:
             for path in tokenizer_files(self._checkpoint_dir, text_only=self._folder.image_text is not None):
                 shutil.copy2(path, folder / path.name)
@@ -237,6 +242,16 @@ class HFCheckpointer:
             merged = peft_model.merge_and_unload()
             merged.generation_config = self._generation_config or merged.generation_config
             merged.save_pretrained(str(folder))
+
+
+def tied_copies(model: torch.nn.Module) -> List[str]:
+    """Names of ``model``'s parameters that are another parameter under a second name (a tied ``lm_head.weight``).
+
+    A Hugging Face folder holds each tied weight once (under the name
+    ``named_parameters`` keeps); transformers ties the copy again on load.
+    """
+    kept = {name for name, _ in model.named_parameters()}
+    return [name for name, _ in model.named_parameters(remove_duplicate=False) if name not in kept]
 
 
 def write_adapter(folder: Path, config: Any, adapter_config: Dict[str, Any], adapter: Dict[str, torch.Tensor],

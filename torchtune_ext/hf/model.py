@@ -34,6 +34,7 @@ that without model code of our own:
 import copy
 import inspect
 import json
+import logging
 import re
 import sys
 from dataclasses import dataclass
@@ -54,9 +55,12 @@ from transformers.models.auto.modeling_auto import (
 )
 from transformers.utils import is_flash_attn_2_available
 
-from torchtune_ext import distributed
+from torchtune_ext import distributed, ranks
 from torchtune_ext.errors import ConfigError
 from torchtune_ext.loss import OutputProjection
+
+log = logging.getLogger(__name__)
+_said_builtin_class: set = set()  # folders whose auto_map line was printed: once per process, not per check
 
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flex_attention")
 
@@ -82,6 +86,13 @@ def _read_config_json(folder: Path, key: str) -> Dict[str, Any]:
     if not isinstance(raw, dict) or not isinstance(raw.get("model_type"), str):
         raise ConfigError(key, f"'{path}' names no model_type: it is not a transformers model config")
     return raw
+
+
+# Families AutoModelForCausalLM builds only as a decoder (`is_decoder: true` in their config): encoders
+# whose attention sees both directions otherwise, trained with masked language modelling
+_ENCODER_MODEL_TYPES = ("bert", "roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "electra", "ernie",
+                        "bert-generation", "data2vec-text", "rembert", "roc_bert", "roformer", "xmod",
+                        "megatron-bert", "big_bird")
 
 
 def _multimodal_parts(config: Any) -> List[str]:
@@ -193,6 +204,19 @@ def read_model_folder(path: Union[str, Path], *, key: str = "model.path", trust_
         if "AutoModelForCausalLM" not in auto_map:
             raise ConfigError(key, f"the model in '{folder}' ({model_type}) has no AutoModelForCausalLM in its "
                               "auto_map: it is not a causal language model")
+    elif auto_map and not trust_remote_code and str(folder) not in _said_builtin_class and ranks.is_rank_zero():
+        # what transformers does too: a family it knows runs its own code unless the folder's is allowed
+        _said_builtin_class.add(str(folder))
+        causal_class = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, model_type)
+        log.warning("model: '%s' ships its own code (config.json auto_map: %s); transformers' built-in %s is "
+                    "used instead, as transformers does without trust_remote_code (set %s=true to run the "
+                    "folder's code)", folder, ", ".join(sorted(auto_map)), causal_class, remote_key)
+    if raw.get("is_encoder_decoder") or (known and raw.get("is_decoder") is not True
+                                         and model_type in _ENCODER_MODEL_TYPES):
+        name = (raw.get("architectures") or [None])[0] or model_type
+        raise ConfigError(key, f"{name} (model_type '{model_type}') is "
+                          f"{'an encoder-decoder' if raw.get('is_encoder_decoder') else 'an encoder'} model, not a "
+                          "causal language model; these recipes train decoder-only causal LMs (AutoModelForCausalLM)")
     architectures = raw.get("architectures") or []
     declared = architectures[0] if architectures else None
     try:
