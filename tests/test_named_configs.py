@@ -95,3 +95,25 @@ def test_a_named_config_passes_the_checks_on_a_folder_of_its_family(path, tiny_f
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(REPO_ROOT)  # the bundled data path is relative to the repository
         check_components(validate(cfg, extra_keys=keys), torch.device("cpu"))
+
+
+@pytest.mark.parametrize("path", NAMED, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_a_named_configs_missing_model_names_model_dir_and_its_download_line(path, tmp_path):
+    """The folder is not downloaded yet: one line naming model_dir (the key the user sets) and the
+    `hf download` line of the config's own header; a file in its place is said to be a file."""
+    from torchtune_ext.config import ConfigError
+    from torchtune_ext.config.files import check_input_files
+
+    cfg = OmegaConf.load(path)
+    header = re.search(r"^#\s+(hf download .+?)\s*$", path.read_text(), flags=re.M)
+    assert header, f"{path} has no `hf download` line in its header"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(tmp_path)  # models/<name> does not exist here
+        with pytest.raises(ConfigError) as err:
+            check_input_files(cfg, dataset_keys=())
+        assert err.value.key == "model_dir"
+        assert f"'{cfg.model_dir}' does not exist. Download the model first: `{header.group(1)}`" in str(err.value)
+        Path(cfg.model_dir).parent.mkdir(parents=True)
+        Path(cfg.model_dir).write_text("not a folder")
+        with pytest.raises(ConfigError, match=r"'model_dir'.* is a file, not a folder"):
+            check_input_files(cfg, dataset_keys=())

@@ -55,17 +55,20 @@ def packaged_configs(recipe: str) -> List[Tuple[str, Path]]:
     return []
 
 
-_DOWNLOAD_LINE = re.compile(r"tune download\s+(.+)$")
+# torchtune's `tune download <repo> --output-dir DIR` and Hugging Face's `hf download <repo> --local-dir DIR`
+_DOWNLOAD_LINE = re.compile(r"\b((?:tune|hf) download)\s+(.+)$")
 
 
 def _download_target(args: List[str]) -> Tuple[Optional[str], Optional[str]]:
-    """(repo id, output folder) of a ``tune download`` argument list; the
-    folder defaults to ``/tmp/<model name>`` as in ``tune download``."""
+    """(repo id, output folder) of a ``tune download`` or ``hf download`` argument list; the
+    folder defaults to ``/tmp/<model name>`` as in ``tune download`` (``hf download`` without
+    ``--local-dir`` fills its cache, no folder of the config's)."""
     repo = next((a for a in args if not a.startswith("-")), None)
     if repo is None:
         return None, None
-    if "--output-dir" in args and args.index("--output-dir") + 1 < len(args):
-        return repo, args[args.index("--output-dir") + 1]
+    for flag in ("--output-dir", "--local-dir"):
+        if flag in args and args.index(flag) + 1 < len(args):
+            return repo, args[args.index(flag) + 1]
     return repo, f"/tmp/{repo.split('/')[-1]}"
 
 
@@ -85,27 +88,32 @@ def _download_index() -> Tuple[Dict[str, str], Dict[str, List[str]]]:
                     break  # the header is over
                 match = _DOWNLOAD_LINE.search(line)
                 if match:
-                    commands.append(match.group(1).strip())
-            for args in commands:
+                    commands.append((match.group(1), re.sub(r"\s+#.*$", "", match.group(2)).strip()))
+            for tool, args in commands:
                 try:
-                    repo, target = _download_target(shlex.split(args))
+                    words = shlex.split(args)
                 except ValueError:
                     continue
+                repo, target = _download_target(words)
                 if repo is not None:
-                    by_folder.setdefault(os.path.normpath(target), []).append("tune download " + args)
+                    by_folder.setdefault(os.path.normpath(target), []).append(f"{tool} {args}")
             if commands:
-                checkpoint_dir = OmegaConf.create(text).get("checkpointer", {}).get("checkpoint_dir")
+                try:
+                    checkpoint_dir = OmegaConf.create(text).get("checkpointer", {}).get("checkpoint_dir")
+                except Exception:  # an interpolation of a mandatory key (`model_dir: ???`): no folder of its own
+                    checkpoint_dir = None
                 if isinstance(checkpoint_dir, str):
-                    by_checkpoint_dir.setdefault(os.path.normpath(checkpoint_dir), "tune download " + commands[0])
+                    by_checkpoint_dir.setdefault(os.path.normpath(checkpoint_dir), " ".join(commands[0]))
     return by_checkpoint_dir, by_folder
 
 
 def download_command(path: str) -> Optional[str]:
-    """The ``tune download`` command that fills the folder holding ``path``.
+    """The ``tune download`` (or ``hf download``) command that fills the folder holding ``path``.
 
     Read from the header comments of torchtune's packaged configs and of this
     repository's configs (``tune download <repo> [--output-dir DIR] ...``;
-    without ``--output-dir`` the folder is ``/tmp/<model name>``). A config
+    without ``--output-dir`` the folder is ``/tmp/<model name>``; or
+    ``hf download <repo> --local-dir DIR``). A config
     whose ``checkpointer.checkpoint_dir`` is ``path`` gives its own command
     (the right file patterns for its checkpointer); otherwise the first
     command whose output folder contains ``path`` (one that keeps the

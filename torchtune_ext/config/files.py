@@ -9,7 +9,7 @@ command that downloads them), not a traceback minutes later.
 import os
 from typing import Any, Optional, Tuple
 
-from omegaconf import DictConfig, ListConfig
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from torchtune_ext.config.checkers import validation_enabled
 from torchtune_ext.errors import DOWNLOAD_COMMAND, ConfigError
@@ -24,18 +24,22 @@ def _paths(value: Any) -> Tuple[str, ...]:
     return (str(value),)
 
 
-def _missing_input(key: str, path: str, model_files: bool = False) -> ConfigError:
-    """The error for a missing input path; for model files, the command that downloads them."""
+def _missing_input(key: str, path: str, model_files: bool = False, folder: bool = False) -> ConfigError:
+    """The error for a missing input path; for model files, the command that downloads them.
+
+    ``folder``: ``path`` must be a folder (a file there is said as such)."""
     hint = ""
     norm = os.path.normpath(path)
     if norm == "assets" or norm.startswith("assets" + os.sep):
         hint = f" The bundled model and data are created by `{DOWNLOAD_COMMAND}` (run it from the repository root)."
     elif model_files:
         command = download_command(path)
+        example = ("hf download <org>/<model> --local-dir <folder>" if key == "model_dir" else
+                   "tune download <org>/<model> --output-dir <folder>")
         hint = (f" Download the model first: `{command}`" if command else
-                " Download the model into it first, e.g. `tune download <org>/<model> --output-dir <folder>`, "
-                "or point checkpointer.checkpoint_dir at your copy")
-    return ConfigError(key, f"'{path}' does not exist.{hint}")
+                f" Download the model into it first, e.g. `{example}`, or point {key} at your copy")
+    what = "is a file, not a folder" if folder and os.path.exists(path) else "does not exist"
+    return ConfigError(key, f"'{path}' {what}.{hint}")
 
 
 def _checkpoint_files(files: Any) -> Tuple[str, ...]:
@@ -67,7 +71,10 @@ def check_input_files(cfg: DictConfig, dataset_keys: Optional[Tuple[str, ...]] =
     ckpt_dir = ckpt.get("checkpoint_dir")
     if ckpt_dir is not None:
         if not os.path.isdir(ckpt_dir):
-            raise _missing_input("checkpointer.checkpoint_dir", str(ckpt_dir), model_files=True)
+            # the transformers configs set the folder once, as model_dir: name the key the user wrote
+            raw = OmegaConf.to_container(ckpt, resolve=False).get("checkpoint_dir")
+            key = "model_dir" if raw == "${model_dir}" else "checkpointer.checkpoint_dir"
+            raise _missing_input(key, str(ckpt_dir), model_files=True, folder=True)
         for name in _checkpoint_files(ckpt.get("checkpoint_files")):
             if not os.path.isfile(os.path.join(ckpt_dir, name)):
                 raise _missing_input("checkpointer.checkpoint_files", os.path.join(ckpt_dir, name), model_files=True)
