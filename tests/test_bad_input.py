@@ -203,6 +203,24 @@ def test_truncated_base_weights_are_named(tiny_run):
         CheckpointManager(cfg.checkpointer, cfg.output_dir).load()
 
 
+def test_truncated_base_weights_are_found_by_the_start_up_checks(tiny_run):
+    """A download cut short is found by the file checks that run before the data check and any weight (the
+    safetensors header lists more bytes than the file has); a file that is not safetensors at all too."""
+    from torchtune_ext.config.files import check_input_files
+
+    cfg = OmegaConf.load(tiny_run())
+    weights = f"{cfg.checkpointer.checkpoint_dir}/model.safetensors"
+    data = open(weights, "rb").read()
+    check_input_files(cfg)
+    open(weights, "wb").write(data[:-1])
+    with pytest.raises(ConfigError, match=f"'checkpointer.checkpoint_dir'.*'{weights}' is cut short: "
+                                          f"{len(data) - 1} bytes, its header lists {len(data)}"):
+        check_input_files(cfg)
+    open(weights, "wb").write(b"<html>rate limited</html>")
+    with pytest.raises(ConfigError, match=f"'{weights}' is not a safetensors file"):
+        check_input_files(cfg)
+
+
 def test_resume_refuses_a_later_folder_without_manifest(tiny_run, caplog):
     cfg = OmegaConf.load(tiny_run())
     out = Path(cfg.output_dir)

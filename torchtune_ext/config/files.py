@@ -6,6 +6,7 @@ weights not downloaded yet, a misspelt data file or an unwritable
 command that downloads them), not a traceback minutes later.
 """
 
+import json
 import os
 from typing import Any, Optional, Tuple
 
@@ -78,6 +79,9 @@ def check_input_files(cfg: DictConfig, dataset_keys: Optional[Tuple[str, ...]] =
         for name in _checkpoint_files(ckpt.get("checkpoint_files")):
             if not os.path.isfile(os.path.join(ckpt_dir, name)):
                 raise _missing_input("checkpointer.checkpoint_files", os.path.join(ckpt_dir, name), model_files=True)
+        for name in sorted(os.listdir(ckpt_dir)):
+            if name.endswith(".safetensors"):
+                check_safetensors_file(os.path.join(ckpt_dir, name), "checkpointer.checkpoint_dir")
     # tokenizer files: llama3/gemma/mistral/phi `path`, qwen `merges_file`, phi4 `vocab_path`/`merges_path`
     for key in ("path", "tokenizer_json_path", "merges_file", "vocab_path", "merges_path", "special_tokens_path"):
         if cfg.tokenizer.get(key) is not None and not os.path.exists(cfg.tokenizer[key]):
@@ -91,6 +95,33 @@ def check_input_files(cfg: DictConfig, dataset_keys: Optional[Tuple[str, ...]] =
             for path in _paths(ds.get("data_files")):
                 if "://" not in path:
                     _check_data_file(f"{prefix}.data_files", path)
+
+
+def check_safetensors_file(path: str, key: str) -> None:
+    """A ``.safetensors`` file is whole: its header reads and the file holds every byte it lists.
+
+    Reads the header only (8 bytes of length, then JSON whose tensors give
+    ``data_offsets`` into the data after it: the safetensors format,
+    https://github.com/huggingface/safetensors#format), so a download cut
+    short is found before any work, not when the weights load.
+
+    Raises:
+        ConfigError: (``key``) naming the file, its size and the size it needs.
+    """
+    size = os.path.getsize(path)
+    try:
+        with open(path, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little") if size >= 8 else -1
+            if not 0 < header_len <= size - 8:
+                raise ValueError("no header")
+            header = json.loads(f.read(header_len))
+        end = max((t["data_offsets"][1] for n, t in header.items() if n != "__metadata__"), default=0)
+    except (ValueError, KeyError, TypeError, IndexError, OSError) as err:
+        raise ConfigError(key, f"'{path}' is not a safetensors file ({type(err).__name__}: its header cannot be "
+                          "read); download it again") from None
+    if size < 8 + header_len + end:
+        raise ConfigError(key, f"'{path}' is cut short: {size} bytes, its header lists {8 + header_len + end}; "
+                          "the download did not finish: download it again")
 
 
 def _check_data_file(key: str, path: str) -> None:
