@@ -137,6 +137,19 @@ def test_evaluation_leaves_training_state_alone():
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_a_validation_pass_shows_its_progress_and_the_same_result(capsys):
+    """A pass over a large set takes minutes while the training bar stands still: a `validation` bar counts
+    its steps (rank 0; it leaves no line behind), and it changes no number."""
+    model, samples = tiny_model(), synthetic_val_dataset()
+    quiet = exact(model, samples, 3)
+    assert "validation" not in capsys.readouterr().err
+    shown = evaluate(model, SummedCrossEntropyLoss(1, IGNORE), loader(samples, 3), device=CPU,
+                     progress_bar=True).metrics()
+    steps, err = len(loader(samples, 3)), capsys.readouterr().err
+    assert steps > 1 and f"validation:   0%|          | 0/{steps}" in err and f"/{steps} [" in err, err
+    assert {k: v for k, v in shown.items() if k != "seconds"} == {k: v for k, v in quiet.items() if k != "seconds"}
+
+
 def test_no_trainable_token_gives_no_loss():
     result = EvalResult(TokenTotals(0, 0, {"loss": 0.0, "token_accuracy": 0.0, "entropy": 0.0}), 3, 0.1)
     assert result.metrics() == {"num_tokens": 0, "num_samples": 3, "seconds": 0.1}

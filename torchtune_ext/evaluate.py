@@ -63,7 +63,9 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.utils.data import Dataset, Subset
 from torchtune import utils
+from tqdm import tqdm
 
+from torchtune_ext import ranks
 from torchtune_ext.accounting import TokenTally, TokenTotals, count_trainable_tokens
 from torchtune_ext.checkpoint import (
     ADAPTER_WEIGHTS,
@@ -119,7 +121,8 @@ class EvalResult:
 
 
 def evaluate(model: nn.Module, loss_fn: SummedCrossEntropyLoss, loader: StepLoader, *,
-             device: torch.device, dp_group: Optional[dist.ProcessGroup] = None) -> EvalResult:
+             device: torch.device, dp_group: Optional[dist.ProcessGroup] = None,
+             progress_bar: bool = False) -> EvalResult:
     """One pass over ``loader``'s dataset: the exact mean loss and token metrics.
 
     Args:
@@ -129,6 +132,8 @@ def evaluate(model: nn.Module, loss_fn: SummedCrossEntropyLoss, loader: StepLoad
             dataset order when built with ``shuffle=False``).
         device: where the model lives.
         dp_group: data-parallel group (None: default group, or none).
+        progress_bar: show a ``validation`` bar of the passes' steps (rank 0; a
+            pass over a large set takes minutes, and the training bar stands still).
 
     Returns:
         EvalResult, identical on every rank.
@@ -139,12 +144,16 @@ def evaluate(model: nn.Module, loss_fn: SummedCrossEntropyLoss, loader: StepLoad
     model.eval()
     try:
         with torch.no_grad(), _random_state_unchanged(device):
+            bar = tqdm(total=len(loader), desc="validation", leave=False, dynamic_ncols=True,
+                       disable=not (progress_bar and ranks.is_rank_zero()))
             for step_data in loader.epoch(0):
                 for micro_batch in step_data.micro_batches:
                     inputs, labels = prepare_micro_batch(micro_batch, device, loss_fn.ignore_index)
                     tally.count(labels)
                     # every rank forwards every slot (FSDP's all-gathers must match), stand-ins included
                     tally.add(forward_sums(model, loss_fn, inputs, labels))
+                bar.update()
+        bar.close()
     finally:
         for module, training in modes:
             module.training = training
@@ -269,7 +278,8 @@ class Validator:
         """Evaluate now and log ``step``, ``epoch``, ``tokens_seen`` and ``val_loss``,
         ``val_perplexity``, ``val_token_accuracy``, ``val_entropy``, ``val_num_tokens``,
         ``val_num_samples``, ``val_seconds``. Returns the record."""
-        result = evaluate(self._model, self._loss_fn, self._loader, device=self._device, dp_group=self._dp_group)
+        result = evaluate(self._model, self._loss_fn, self._loader, device=self._device, dp_group=self._dp_group,
+                          progress_bar=True)
         record: Dict[str, Any] = {"step": progress.step, "epoch": progress.epoch, "tokens_seen": progress.tokens_seen}
         record.update({f"val_{k}": v for k, v in result.metrics().items()})
         self._logger.log(record)
