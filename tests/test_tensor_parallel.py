@@ -7,16 +7,13 @@ checks run in this process on models built on the meta device.
 """
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
 
-from helpers import REPO_ROOT, rel_diff
+from helpers import rel_diff, run_worker
 from torchtune_ext.config import DISTRIBUTED_KEYS, LORA_KEYS, ConfigError, validate
 from torchtune_ext.distributed import PLAN_FAMILIES, check_tensor_parallel, tensor_parallel_plan
 from torchtune_ext.grad_norm import split_dims
@@ -137,12 +134,7 @@ NOISE_ONLY = ("attn.k_proj.bias",)
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp") / "results.pt"
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
-           str(REPO_ROOT / "tests" / "tp_worker.py"), str(out), json.dumps(CASES)]
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
+    proc = run_worker(4, "tp_worker.py", str(out), json.dumps(CASES), timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return torch.load(out, weights_only=False)
 

@@ -16,7 +16,6 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -25,7 +24,7 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 import resume_jobs
-from helpers import REPO_ROOT
+from helpers import REPO_ROOT, run_worker
 from torchtune_ext.checkpoint import list_checkpoints, verify_checkpoint
 from torchtune_ext.control.run_lock import OutputDirLock
 from torchtune_ext.errors import EXIT_STOPPED
@@ -95,12 +94,7 @@ def test_resume_of_a_resumed_run_with_more_epochs(setup_yaml, tmp_path):
 
 # ------------------------------------------------------------------ two ranks, one launch
 def _launch(setup_yaml, jobs):
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(REPO_ROOT / "tests" / "resume_worker.py"), str(setup_yaml), json.dumps(jobs)]
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
+    proc = run_worker(2, "resume_worker.py", str(setup_yaml), json.dumps(jobs), timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
 
