@@ -108,15 +108,18 @@ def family_assets(tmp_path_factory):
 
 @pytest.fixture
 def cfg(tmp_path):
-    """The smallest valid recipe config: tiny model, files that exist (their content is not read).
+    """The smallest valid recipe config: tiny model, files that exist (their content is not read beyond
+    the safetensors header).
 
     Not validated yet; ``validate(cfg)`` fills in the defaults.
     """
+    import torch
     from omegaconf import OmegaConf
+    from safetensors.torch import save_file
 
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
-    (ckpt / "model.safetensors").write_bytes(b"x")
+    save_file({"unused": torch.zeros(1)}, str(ckpt / "model.safetensors"))  # whole: the start-up checks read headers
     data = tmp_path / "data.json"
     data.write_text("[]")
     return OmegaConf.create({

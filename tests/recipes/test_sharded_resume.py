@@ -97,12 +97,9 @@ def runs(tmp_path_factory, setup_yaml):
     logs[2] = _launch(2, setup_yaml, second)
     third = [job(recipe, _stopped_copy(root, f"{recipe}_stop2", f"{recipe}_2to4"), 4, resume=True)
              for recipe in RECIPES]
-    third += [job("full_dist", _stopped_copy(root, "full_dist_stop4", "full_4to4_8"), 4, GLOBAL_8, resume=True),
-              job("full_dist", _stopped_copy(root, "full_dist_stop2", "full_2to4_8"), 4, GLOBAL_8, resume=True)]
+    # the reference of 4 -> 2 with the global batch changed: the 4 ranks' checkpoint resumed on 4 ranks
+    third.append(job("full_dist", _stopped_copy(root, "full_dist_stop4", "full_4to4_8"), 4, GLOBAL_8, resume=True))
     logs["4 again"] = _launch(4, setup_yaml, third)
-    # the reference of 2 -> 4 with the global batch changed: the 2 ranks' checkpoint resumed on 2 ranks
-    logs["2 again"] = _launch(2, setup_yaml, [
-        job("full_dist", _stopped_copy(root, "full_dist_stop2", "full_2to2_8"), 2, GLOBAL_8, resume=True)])
     return root, logs
 
 
@@ -134,7 +131,7 @@ def test_resume_on_another_world_size_continues_the_run(runs, recipe, direction)
     verify_checkpoint(final, content=True)
 
 
-@pytest.mark.parametrize("direction,reference", [("4to2", "4to4"), ("2to4", "2to2")])
+@pytest.mark.parametrize("direction,reference", [("4to2", "4to4")])  # one direction: each costs a launch
 def test_resume_with_another_global_batch_on_another_world_size(runs, direction, reference):
     """4 samples per step before the stop, 8 after: the same steps on either world size."""
     root, logs = runs

@@ -3,8 +3,8 @@
 2 data-parallel x 2 tensor-parallel ranks train the tiny Llama exactly as 4
 data-parallel ranks do on the same global batch of 4 samples per optimizer
 step (4 ranks x batch 1; 2 ranks x batch 1 x 2 micro-batches), the
-checkpoint of either layout resumes on the other (the tensor-parallel run
-saves sharded checkpoints, the data-parallel one gathered ones), and two
+sharded checkpoint of the tensor-parallel run resumes on 4 data-parallel
+ranks (the other direction: tests/test_tensor_parallel.py), and two
 launchers of 2 processes meeting at a rendezvous on loopback (two
 "nodes") train as one launcher of 4. Each 4-process
 launch costs ~1 min on 2 cores: the runs are shared by the tests of this
@@ -54,10 +54,10 @@ def launch(tmp_path, assets, name, *overrides):
 
 @pytest.fixture(scope="module")
 def runs(smollm2_assets, tmp_path_factory):
-    """The two layouts straight through 4 steps, and each one's step_2 resumed on the other layout."""
+    """The two layouts straight through 4 steps, and the 2 x 2 run's (sharded) step_2 resumed on 4 DP ranks."""
     tmp_path = tmp_path_factory.mktemp("tp_recipe")
     done = {name: launch(tmp_path, smollm2_assets, name, *overrides) for name, overrides in LAYOUTS.items()}
-    for source, target in (("dp2_tp2", "dp4"), ("dp4", "dp2_tp2")):
+    for source, target in (("dp2_tp2", "dp4"),):  # DP -> TP: tests/test_tensor_parallel.py (one launch for all)
         name = f"{source}_then_{target}"
         shutil.copytree(done[source][0] / "step_2", tmp_path / name / "step_2")  # as if it had stopped there
         done[name] = launch(tmp_path, smollm2_assets, name, *LAYOUTS[target], "resume_from_checkpoint=true")
@@ -101,12 +101,13 @@ def test_two_by_two_tensor_parallel_equals_four_data_parallel(runs):
     assert_same_weights(tp_out / "step_4", dp_out / "step_4")
 
 
-@pytest.mark.parametrize("name", ["dp2_tp2_then_dp4", "dp4_then_dp2_tp2"])
+@pytest.mark.parametrize("name", ["dp2_tp2_then_dp4"])
 def test_a_checkpoint_resumes_on_the_other_layout(runs, name):
     """step_2 of one layout, continued on the other: steps 3 and 4 as the uninterrupted run had them.
 
     The 2 x 2 run's checkpoints are sharded (each rank wrote its DTensor shards with DCP): resumed on 4
-    data-parallel ranks they are resharded; a gathered 4-rank checkpoint is split over the 2-D mesh."""
+    data-parallel ranks they are resharded. (A gathered checkpoint split over the 2-D mesh:
+    tests/test_tensor_parallel.py::test_a_checkpoint_moves_between_tensor_and_data_parallel.)"""
     source = name.split("_then_")[0]
     assert (runs["dp2_tp2"][0] / "step_2" / "dcp").is_dir() and not (runs["dp4"][0] / "step_2" / "dcp").exists()
     got = read_jsonl(runs[name][0] / "logs" / "metrics.jsonl")
