@@ -123,6 +123,15 @@ class RecordingLoss(SummedCrossEntropyLoss):
         return super().forward(outputs, shifted_labels, recompute_output)
 
 
+def copy_smollm2_tokenizer(assets, folder) -> None:
+    """Put the bundled SmolLM2 tokenizer (tokenizer.json, tokenizer_config.json with its chat template) and
+    generation config into ``folder``, as a downloaded model folder has them (``assets``: the assets root)."""
+    import shutil
+
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(assets / "SmolLM2-135M-Instruct" / name, folder / name)
+
+
 REPO_ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 
 

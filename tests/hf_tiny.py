@@ -140,3 +140,23 @@ def build_loaded(folder: Path, **kwargs):
         model = causal_lm(folder, dtype="fp32", **kwargs)
     load_state(model, state, torch.device("cpu"))
     return model
+
+
+def our_token_losses(model, tokens: torch.Tensor, shifted: torch.Tensor, ignore_index: int):
+    """Our loss on ``model``: it takes the output projection, so ``model(tokens)`` gives final hidden states.
+
+    Returns ``(hidden, per_token, total)``: the hidden states ``[batch, seq, hidden_size]``, each trainable
+    position of ``shifted`` (labels after the shift) alone (``[n]``, in ``nonzero()`` order), and the loss of
+    all of them at once (a 0-d tensor).
+    """
+    from torchtune_ext.loss import SummedCrossEntropyLoss
+
+    loss_fn = SummedCrossEntropyLoss(num_output_chunks=1, ignore_index=ignore_index)
+    loss_fn.take_output_projection(model)
+    hidden = model(tokens)
+    per_token = []
+    for row, col in (shifted != ignore_index).nonzero().tolist():
+        single = torch.full_like(shifted, ignore_index)
+        single[row, col] = shifted[row, col]
+        per_token.append(loss_fn(hidden, single).loss)
+    return hidden, torch.stack(per_token), loss_fn(hidden, shifted).loss

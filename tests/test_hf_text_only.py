@@ -19,8 +19,16 @@ from omegaconf import OmegaConf
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-from helpers import IGNORE, instruct_samples, rel_diff, windows
-from hf_tiny import IMAGE_PROCESSOR_FILES, IMAGE_TEXT, TOKENIZER_FILES, TinyFolders, build_loaded, image_text_config
+from helpers import IGNORE, copy_smollm2_tokenizer, instruct_samples, rel_diff, windows
+from hf_tiny import (
+    IMAGE_PROCESSOR_FILES,
+    IMAGE_TEXT,
+    TOKENIZER_FILES,
+    TinyFolders,
+    build_loaded,
+    image_text_config,
+    our_token_losses,
+)
 from torchtune_ext.checkpoint import CheckpointManager, Progress
 from torchtune_ext.config import ConfigError
 from torchtune_ext.hf import (
@@ -88,17 +96,9 @@ def test_text_model_losses_equal_the_image_text_models(name, folders):
     shifted = shift_labels(labels, IGNORE)
     keep = shifted != IGNORE
     expected = F.cross_entropy(reference.logits[keep].float(), shifted[keep], reduction="none")
-    loss_fn = SummedCrossEntropyLoss(num_output_chunks=1, ignore_index=IGNORE)
-    loss_fn.take_output_projection(model)
     with torch.no_grad():
-        hidden = model(tokens)
-        ours = []
-        for row, col in keep.nonzero().tolist():  # one trainable position at a time: per-token values
-            single = torch.full_like(shifted, IGNORE)
-            single[row, col] = shifted[row, col]
-            ours.append(loss_fn(hidden, single).loss)
-        total = loss_fn(hidden, shifted).loss
-    assert rel_diff(torch.stack(ours), expected) <= TOL
+        _, ours, total = our_token_losses(model, tokens, shifted, IGNORE)
+    assert rel_diff(ours, expected) <= TOL
     assert abs(total.item() / keep.sum().item() - reference.loss.item()) <= TOL * reference.loss.item()
 
 
@@ -343,14 +343,12 @@ def test_the_shipped_configs_set_the_checkpointer_from_the_model(config):
 @pytest.fixture(scope="module")
 def recipe_folder(tmp_path_factory, smollm2_assets):
     """A tiny image-text Gemma 3 folder with SmolLM2's tokenizer files (and vocabulary), and 8 Alpaca records."""
-    import shutil
 
     from hf_tiny import write_tiny_image_text
 
     root = tmp_path_factory.mktemp("hf_text_only_recipe")
     model_dir = write_tiny_image_text("gemma3", root / "gemma3-tiny", text={"vocab_size": 49_152})
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(smollm2_assets / "SmolLM2-135M-Instruct" / name, model_dir / name)
+    copy_smollm2_tokenizer(smollm2_assets, model_dir)
     records = json.loads((smollm2_assets / "data" / "alpaca_en_demo.json").read_text())[:8]
     (root / "alpaca8.json").write_text(json.dumps(records))
     return root

@@ -9,14 +9,13 @@ config is found without downloading the model.
 """
 
 import re
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
-from helpers import REPO_ROOT
+from helpers import REPO_ROOT, copy_smollm2_tokenizer
 from hf_tiny import write_tiny, write_tiny_image_text
 
 NAMED = sorted(p for family in ("qwen3", "gemma3", "qwen3_moe")
@@ -75,8 +74,7 @@ def tiny_folders(tmp_path_factory, smollm2_assets):
     folders["gemma3 image-text"] = write_tiny_image_text(
         "gemma3", root / "gemma3_image_text", text=dict(vocab_size=49_152, max_position_embeddings=4096))
     for folder in folders.values():
-        for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-            shutil.copy(smollm2_assets / "SmolLM2-135M-Instruct" / name, folder / name)
+        copy_smollm2_tokenizer(smollm2_assets, folder)
     return folders
 
 

@@ -8,12 +8,11 @@ single-device config. A recipe run on it takes seconds, so resume and failure
 tests can afford several runs.
 """
 
-import shutil
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from helpers import tiny_recipe_config, write_tiny_hf_checkpoint
+from helpers import copy_smollm2_tokenizer, tiny_recipe_config, write_tiny_hf_checkpoint
 from tiny_setup import write_dataset
 
 
@@ -24,8 +23,7 @@ def make_tiny_run(root: Path, assets: Path, n_samples: int = 24, **overrides) ->
     """
     ckpt = root / "ckpt"
     write_tiny_hf_checkpoint(ckpt)
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(assets / "SmolLM2-135M-Instruct" / name, ckpt / name)
+    copy_smollm2_tokenizer(assets, ckpt)
     write_dataset(root / "data.json", n_samples)
     cfg = tiny_recipe_config("configs/smollm2/135M_full_single_device.yaml",
                              {"_component_": "torchtune_ext.models.tiny_llama"}, assets, ckpt, root / "out")

@@ -14,7 +14,7 @@ import shutil
 import pytest
 import torch
 
-from helpers import REPO_ROOT, read_jsonl, recipe_class, rel_diff, run_recipe, run_tune
+from helpers import REPO_ROOT, copy_smollm2_tokenizer, read_jsonl, recipe_class, rel_diff, run_recipe, run_tune
 from hf_tiny import write_tiny
 
 pytestmark = pytest.mark.slow
@@ -27,8 +27,7 @@ def folder(tmp_path_factory, smollm2_assets):
     """The model folder (as `hf download` leaves one) and a 16-record Alpaca file."""
     root = tmp_path_factory.mktemp("hf")
     model_dir = write_tiny("qwen3", root / "Qwen3-tiny", vocab_size=49_152)
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(smollm2_assets / "SmolLM2-135M-Instruct" / name, model_dir / name)
+    copy_smollm2_tokenizer(smollm2_assets, model_dir)
     records = json.loads((smollm2_assets / "data" / "alpaca_en_demo.json").read_text())[:16]
     (root / "alpaca16.json").write_text(json.dumps(records))
     return root

@@ -15,7 +15,7 @@ import shutil
 import pytest
 import torch
 
-from helpers import read_jsonl, rel_diff, run_tune
+from helpers import copy_smollm2_tokenizer, read_jsonl, rel_diff, run_tune
 from hf_tiny import write_tiny
 from torchtune_ext.checkpoint.export import main as export_main
 
@@ -30,8 +30,7 @@ VOCAB = 49_152
 def folder(tmp_path_factory, smollm2_assets):
     root = tmp_path_factory.mktemp("hf_sharded")
     model_dir = write_tiny("qwen3", root / "Qwen3-tiny", vocab_size=VOCAB)
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(smollm2_assets / "SmolLM2-135M-Instruct" / name, model_dir / name)
+    copy_smollm2_tokenizer(smollm2_assets, model_dir)
     records = json.loads((smollm2_assets / "data" / "alpaca_en_demo.json").read_text())[:16]
     (root / "alpaca16.json").write_text(json.dumps(records))
     return root
