@@ -67,7 +67,7 @@ log = get_logger()  # torchtune's logger, which the recipes' lines go through to
 
 def _from_rank_zero(value: Any, group: Any = None) -> Any:
     """Rank 0's ``value`` on every rank (itself without a process group)."""
-    if not ranks.several_processes():
+    if not ranks.several_processes(group):
         return value
     box = [value]
     dist.broadcast_object_list(box, src=0, group=group)
@@ -76,9 +76,9 @@ def _from_rank_zero(value: Any, group: Any = None) -> Any:
 
 def _from_every_rank(value: Any, group: Any = None) -> List[Any]:
     """Every rank's ``value``, in rank order, on every rank."""
-    if not ranks.several_processes():
+    if not ranks.several_processes(group):
         return [value]
-    values = [None] * ranks.process_group_size()
+    values = [None] * ranks.process_group_size(group)
     dist.all_gather_object(values, value, group=group)
     return values
 
