@@ -69,12 +69,23 @@ def workers_of(pid):
 
 
 def alive(pid):
-    """Whether ``pid`` runs (a zombie waiting for its new parent to reap it has ended)."""
+    """Whether any thread of ``pid`` runs (a zombie waiting for its new parent to reap it has ended).
+
+    Every thread counts: a killed multi-threaded process shows its main thread as a zombie while its other
+    threads still exit, and they hold its open files (its run lock) until the last one is gone.
+    """
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        threads = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return False
+    for thread in threads:
+        try:
+            with open(f"/proc/{pid}/task/{thread}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    return True
+        except OSError:
+            continue
+    return False
 
 
 def assert_checkpoints_whole(out):
