@@ -3,6 +3,11 @@
     torchrun --nproc_per_node N tests/hf_dist_worker.py OUT.pt FOLDER CASES_JSON
     python tests/hf_dist_worker.py OUT.pt FOLDER CASES_JSON      # one rank
 
+(tests/test_hf_distributed.py; tests/test_hf_tensor_parallel.py, whose cases
+name their own ``folder``, ``tp`` ranks per tensor-parallel group, and may
+``count_all_ranks``: reduce the step's token count over every rank instead of
+the data-parallel group, the mistake its test must catch).
+
 Each case builds the tiny HF model of FOLDER the way the distributed recipes
 will: ``causal_lm`` on the meta device, optionally activation checkpointing
 (``ac``), LoRA (``lora``: torchtune's LoRA keys, adapters from one seed, B
@@ -23,7 +28,7 @@ import torch
 from omegaconf import OmegaConf
 
 from helpers import IGNORE
-from torchtune_ext import distributed, hf
+from torchtune_ext import distributed, hf, ranks
 from torchtune_ext.data import StepLoader, build_dataset, make_collate
 from torchtune_ext.loss import SummedCrossEntropyLoss
 from torchtune_ext.step import train_step
@@ -31,7 +36,9 @@ from torchtune_ext.step import train_step
 CPU = torch.device("cpu")
 
 
-def run_case(folder: str, case: dict, rank: int, world_size: int) -> dict:
+def run_case(folder: str, case: dict) -> dict:
+    folder = case.get("folder", folder)
+    rank = ranks.rank()
     state = hf.HFCheckpointer(folder, f"{folder}/../worker_out_{rank}").load_checkpoint()["model"]
     lora = case.get("lora")
     with torch.device("meta"):
@@ -42,7 +49,8 @@ def run_case(folder: str, case: dict, rank: int, world_size: int) -> dict:
     if case.get("ac"):
         hf.set_activation_checkpointing(model)
     offload = case.get("cpu_offload", False)
-    units = hf.shard_model(model, CPU, cpu_offload=offload)
+    parallelism = distributed.build_parallelism(CPU, case.get("tp", 1))  # tp > 1: the model's own tp_plan
+    units = hf.shard_model(model, CPU, cpu_offload=offload, parallelism=parallelism)
     missing, _ = distributed.load_full_model_state_dict(model, state, CPU, cpu_offload=offload, source=folder,
                                                         strict=not lora)
     assert all(".lora_" in key for key in missing), missing
@@ -53,24 +61,25 @@ def run_case(folder: str, case: dict, rank: int, world_size: int) -> dict:
     samples, packed = build_dataset(dataset, SimpleNamespace(pad_id=0))
     loader = StepLoader(samples, make_collate(packed, 0, IGNORE), batch_size=case["batch_size"],
                         gradient_accumulation_steps=case["grad_accum"], seed=5, ignore_index=IGNORE,
-                        dp_rank=rank, dp_world_size=world_size)
+                        dp_rank=parallelism.dp_rank, dp_world_size=parallelism.dp_size)
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
     steps = []
     for i, step_data in enumerate(loader.epoch(0)):
         r = train_step(model, optimizer, loss_fn, step_data.micro_batches, device=CPU,
-                       backward_once_per_step=case["once"], clip_grad_norm=1.0, step=i + 1)
+                       backward_once_per_step=case["once"], clip_grad_norm=1.0, step=i + 1,
+                       dp_group=None if case.get("count_all_ranks") else parallelism.dp_group)
         steps.append({"loss": r.loss, "grad_norm": r.grad_norm, "num_tokens": r.num_tokens})
     unit_names = [name for name, module in model.named_modules() if module in units]
     checkpointed = sum(1 for name, _ in model.named_modules() if name.endswith("_checkpoint_wrapped_module"))
     full = distributed.gather_full_model_state_dict(model, CPU)
     base_moved = [key for key in state if key in full and not torch.equal(full[key], state[key].float())]
     return {"steps": steps, "params": full, "units": unit_names, "checkpointed": checkpointed,
-            "base_moved": base_moved}
+            "base_moved": base_moved, "mesh": (parallelism.dp_size, parallelism.tp_size)}
 
 
 def main(out_path: str, folder: str, cases_json: str) -> None:
-    rank, world_size = distributed.init_process_group(CPU)
-    results = {case["name"]: run_case(folder, case, rank, world_size) for case in json.loads(cases_json)}
+    rank, _world_size = distributed.init_process_group(CPU)
+    results = {case["name"]: run_case(folder, case) for case in json.loads(cases_json)}
     if rank == 0:
         torch.save(results, out_path)
     distributed.destroy_process_group()

@@ -94,7 +94,9 @@ class Parallelism:
             ``(world_size / T, T)``: rank ``r`` is data-parallel rank
             ``r // T`` and tensor-parallel rank ``r % T``.
         tensor_parallel_plan: module name pattern -> torch ``ParallelStyle``
-            (:func:`tensor_parallel_plan`); None without a ``tp`` dimension.
+            (:func:`tensor_parallel_plan`); None without a ``tp`` dimension,
+            or for a transformers model's own plan (applied by
+            :func:`torchtune_ext.hf.shard_model`).
     """
 
     mesh: DeviceMesh
@@ -139,8 +141,8 @@ def build_parallelism(device: torch.device, tensor_parallel_dim: int = 1,
         device: this rank's device; its type names the mesh.
         tensor_parallel_dim: ranks per tensor-parallel group (the config key);
             1: a ``("dp",)`` mesh over all ranks.
-        tensor_parallel_plan: the plan to apply (:func:`tensor_parallel_plan`),
-            needed when ``tensor_parallel_dim > 1``.
+        tensor_parallel_plan: the plan to apply (:func:`tensor_parallel_plan`);
+            None with ``tensor_parallel_dim > 1``: the model's own (transformers models).
 
     Raises:
         ConfigError: (key ``tensor_parallel_dim``) it does not divide the
@@ -150,11 +152,9 @@ def build_parallelism(device: torch.device, tensor_parallel_dim: int = 1,
     check_tensor_parallel_dim(tensor_parallel_dim, world_size)
     if tensor_parallel_dim == 1:
         return Parallelism(init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",)))
-    if tensor_parallel_plan is None:
-        raise ValueError("build_parallelism: tensor_parallel_dim > 1 needs a tensor_parallel_plan")
     mesh = init_device_mesh(device.type, (world_size // tensor_parallel_dim, tensor_parallel_dim),
                             mesh_dim_names=("dp", "tp"))
-    return Parallelism(mesh, dict(tensor_parallel_plan))
+    return Parallelism(mesh, None if tensor_parallel_plan is None else dict(tensor_parallel_plan))
 
 
 def seed_data_parallel_rank(seed: int, parallelism: Parallelism) -> None:
@@ -184,8 +184,12 @@ PLAN_FAMILIES = ("llama2", "code_llama2", "llama3", "llama3_1", "llama3_2", "lla
                  "qwen2_5")
 
 
-def tensor_parallel_plan(cfg_plan: Any, model_component: str) -> Dict[str, ParallelStyle]:
+def tensor_parallel_plan(cfg_plan: Any, model_component: str) -> Optional[Dict[str, ParallelStyle]]:
     """The tensor-parallel plan a config asks for: its ``tensor_parallel_plan``, or the Llama plan for its family.
+
+    A transformers model (``torchtune_ext.hf.*``) with no ``tensor_parallel_plan``
+    gets None: its own ``tp_plan``, read off the built model
+    (:mod:`torchtune_ext.hf.tensor_parallel`).
 
     Args:
         cfg_plan: the ``tensor_parallel_plan`` config node (a ``_component_``
@@ -199,9 +203,7 @@ def tensor_parallel_plan(cfg_plan: Any, model_component: str) -> Dict[str, Paral
     """
     if cfg_plan is None:
         if model_component.startswith("torchtune_ext.hf."):
-            raise ConfigError("tensor_parallel_plan", f"{model_component} builds a transformers model, "
-                              "whose tp_plan these recipes do not apply (only torchtune's decoders have a plan "
-                              "here); set tensor_parallel_dim=1 (FSDP2 alone shards it)")
+            return None
         family = model_family(model_component)
         if family not in PLAN_FAMILIES:
             raise ConfigError("tensor_parallel_plan", f"{model_component} has no tensor-parallel plan (the "
@@ -224,7 +226,7 @@ def _plain_name(name: str) -> List[str]:
     return [part for part in name.split(".") if part not in ("_checkpoint_wrapped_module", "_orig_mod")]
 
 
-def _modules_matching(model: nn.Module, pattern: str) -> List[Tuple[str, nn.Module]]:
+def modules_matching(model: nn.Module, pattern: str) -> List[Tuple[str, nn.Module]]:
     """``(name, module)`` whose name fits ``pattern`` part by part (``*`` matches one part, e.g. a layer number)."""
     parts = pattern.split(".")
     found = []
@@ -266,7 +268,7 @@ def check_tensor_parallel(model: nn.Module, plan: Dict[str, ParallelStyle], tens
     for pattern in plan:
         if pattern == "output" and tied:
             continue
-        matches = _modules_matching(model, pattern)
+        matches = modules_matching(model, pattern)
         if not matches:
             raise ConfigError("tensor_parallel_plan", f"'{pattern}' names no module of {model_component}: the "
                               "plan does not fit this model; name a plan for it, or set tensor_parallel_dim=1")
@@ -333,7 +335,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: Dict[str,
             if isinstance(output, TiedLinear):
                 continue
             style = ColwiseParallel(output_layouts=Replicate())
-        matches = _modules_matching(model, pattern)
+        matches = modules_matching(model, pattern)
         if not matches:
             raise ValueError(f"tensor-parallel plan: '{pattern}' names no module of the model")
         for _name, module in matches:
@@ -352,6 +354,7 @@ def shard_model(
     model: nn.Module, device: torch.device, *, cpu_offload: bool = False, reshard_after_forward: bool = True,
     custom_sharded_layers: Optional[List[str]] = None, is_block: Optional[Callable[[str, nn.Module], bool]] = None,
     parallelism: Optional[Parallelism] = None,
+    tensor_parallel: Optional[Callable[[nn.Module, DeviceMesh, Optional[Dict[str, ParallelStyle]]], None]] = None,
 ) -> List[FSDPModule]:
     """Shard ``model`` in place with FSDP2, summing (not averaging) gradients; tensor parallel first if asked.
 
@@ -387,6 +390,10 @@ def shard_model(
             ``tp`` dimension the model is split by its plan first
             (:func:`apply_tensor_parallel`) and FSDP2 shards over ``dp``.
             None: a ``("dp",)`` mesh over all ranks.
+        tensor_parallel: ``(model, tp_mesh, plan)`` splitting the model over
+            the ``tp`` ranks; default :func:`apply_tensor_parallel` (torchtune's
+            decoders); transformers models pass their own
+            (:func:`torchtune_ext.hf.tensor_parallel.apply_tensor_parallel`).
 
     Returns:
         The FSDP units, root last.
@@ -413,7 +420,7 @@ def shard_model(
         raise ConfigError("custom_sharded_layers", "tok_embeddings is tied to the output projection in this model "
                           "and must stay in the root FSDP unit; remove it from the list")
     if parallelism.tp_mesh is not None:
-        apply_tensor_parallel(model, parallelism.tp_mesh, parallelism.tensor_parallel_plan)
+        (tensor_parallel or apply_tensor_parallel)(model, parallelism.tp_mesh, parallelism.tensor_parallel_plan)
     # children before their parents, as fully_shard needs (named_modules lists parents first)
     blocks = [m for n, m in reversed(list(modules.items()))
               if n and (is_block(n, m) or n in custom) and any(True for _ in m.parameters())]

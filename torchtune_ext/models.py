@@ -360,6 +360,19 @@ def shard_model(model: nn.Module, device: torch.device, **kwargs) -> list:
     return distributed.shard_model(model, device, **kwargs)
 
 
+def check_tensor_parallel(model: nn.Module, plan: Any, tensor_parallel_dim: int, model_component: str) -> None:
+    """Whether ``plan`` splits ``model`` (on meta) over ``tensor_parallel_dim`` ranks; None: a transformers
+    model's own ``tp_plan``.
+
+    :func:`torchtune_ext.distributed.check_tensor_parallel` or
+    :func:`torchtune_ext.hf.tensor_parallel.check_tensor_parallel`; the
+    arguments and errors are theirs.
+    """
+    if is_hf_model(model):
+        return _hf().tensor_parallel.check_tensor_parallel(model, plan, tensor_parallel_dim, model_component)
+    return distributed.check_tensor_parallel(model, plan, tensor_parallel_dim, model_component)
+
+
 def load_model_state(model: nn.Module, state_dict: dict, device: torch.device, source: Any, *,
                      strict: bool = True, model_name: Any = None):
     """Load a full state dict into an unsharded model; a misfit is one config line naming the checkpoint.

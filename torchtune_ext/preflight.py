@@ -39,10 +39,10 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from torchtune import config as tt_config
 
 from torchtune_ext.config import PROFILER_COMPONENT, check_output_dir, enabled, resolve_component
-from torchtune_ext.distributed import check_tensor_parallel, tensor_parallel_plan
+from torchtune_ext.distributed import tensor_parallel_plan
 from torchtune_ext.errors import ConfigError, UserError
 from torchtune_ext.loss import SummedCrossEntropyLoss, build_loss
-from torchtune_ext.models import nf4_error, quantizes_base
+from torchtune_ext.models import check_tensor_parallel, nf4_error, quantizes_base
 from torchtune_ext.text import closest, short
 from torchtune_ext.tokenizer import check_tokenizer
 

@@ -6,7 +6,10 @@ ranks saves asynchronously every 2 steps (LoRA synchronously); its step_2 resume
 1 x 4 accumulation steps: the same global batch) and must continue the uninterrupted run (loss and grad
 norm to 1e-5). The final folders of the sharded runs (full and LoRA) must give the logits of the gathered
 runs' folders in transformers (LoRA: the merged model, and PEFT's adapter on the base folder too); so
-must a periodic checkpoint exported on request (``python -m torchtune_ext.checkpoint.export``).
+must a periodic checkpoint exported on request (``python -m torchtune_ext.checkpoint.export``). The
+gathered full run is tensor parallel (1 data-parallel x 2 tensor-parallel ranks, the model's own tp_plan,
+batch 2 x 2 accumulation steps: the same global batch) and must train as the data-parallel one: the
+recipe's end of tests/test_hf_tensor_parallel.py.
 """
 
 import json
@@ -60,13 +63,18 @@ def logits(path, ids, adapter=None):
         return model.eval()(ids).logits
 
 
+def _assert_same_steps(got, ref):
+    assert [r["step"] for r in got] == [r["step"] for r in ref]
+    for a, b in zip(got, ref):
+        assert a["num_tokens"] == b["num_tokens"] and a["lr"] == b["lr"]
+        for field in ("loss", "grad_norm"):
+            assert abs(a[field] - b[field]) <= TOL * abs(b[field]), (a["step"], field, a[field], b[field])
+
+
 def _assert_continues(got, ref):
     """Steps 3-4 of a run resumed from step 2 equal the uninterrupted run's."""
     assert [r["step"] for r in ref] == [1, 2, 3, 4] and [r["step"] for r in got] == [3, 4]
-    for a, b in zip(got, ref[2:]):
-        assert a["num_tokens"] == b["num_tokens"] and a["lr"] == b["lr"]
-        for field in ("loss", "grad_norm"):
-            assert abs(a[field] - b[field]) <= TOL * abs(b[field]), field
+    _assert_same_steps(got, ref[2:])
 
 
 IDS = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -75,8 +83,11 @@ IDS = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0
 def test_full_sharded_resumes_on_one_rank_and_exports_the_gathered_folder(folder):
     sharded = tune(folder, "full", folder / "full_sharded", "batch_size=1", "gradient_accumulation_steps=2",
                    "enable_async_checkpointing=true", "save_every_n_steps=2")
-    gathered = tune(folder, "full", folder / "full_gathered", "batch_size=1", "gradient_accumulation_steps=2",
-                    "save_every_n_steps=2")
+    gathered = tune(folder, "full", folder / "full_gathered", "tensor_parallel_dim=2", "batch_size=2",
+                    "gradient_accumulation_steps=2", "save_every_n_steps=2")
+    tensor_parallel = read_jsonl(gathered / "logs" / "metrics.jsonl")
+    assert (tensor_parallel[0]["dp_world_size"], tensor_parallel[0]["tp_world_size"]) == (1, 2)
+    _assert_same_steps(tensor_parallel, read_jsonl(sharded / "logs" / "metrics.jsonl"))
     assert (sharded / "step_2" / "dcp" / ".metadata").is_file() and not (sharded / "step_2" / "config.json").exists()
     resumed = folder / "full_resumed"
     shutil.copytree(sharded / "step_2", resumed / "step_2")

@@ -277,7 +277,8 @@ DISTRIBUTED_KEYS: Dict[str, Key] = {
         "divide N and the model's head counts; 1: data parallel only (docs/distributed.md).")),
     "tensor_parallel_plan": Key(None, optional_component_node, doc=(
         "How tensor parallelism splits the model (a function returning torch ParallelStyles by module name); "
-        "null: torchtune's base_llama_tp_plan for the Llama-like families, refused for others.")),
+        "null: torchtune's base_llama_tp_plan for the Llama-like families, a transformers model's own tp_plan, "
+        "refused for others.")),
     "fsdp": Key(None, _fsdp_section, doc=(
         "Some torchtune configs carry `fsdp: {cpu_offload: ...}`, which upstream never reads; fsdp_cpu_offload "
         "applies.")),

@@ -57,6 +57,7 @@ from transformers.utils import is_flash_attn_2_available
 
 from torchtune_ext import distributed, ranks
 from torchtune_ext.errors import ConfigError
+from torchtune_ext.hf.tensor_parallel import apply_tensor_parallel
 from torchtune_ext.loss import OutputProjection
 
 log = logging.getLogger(__name__)
@@ -811,9 +812,12 @@ def shard_model(model: nn.Module, device: torch.device, **kwargs):
     :func:`torchtune_ext.distributed.shard_model` with the model's own
     decoder layers as the units: the same keyword arguments (``cpu_offload``,
     ``reshard_after_forward``, ``custom_sharded_layers``) and the same
-    gradient reduction (a sum over ranks: FSDP's averaging off).
+    gradient reduction (a sum over ranks: FSDP's averaging off). Under
+    tensor parallelism the model is split first by the config's plan or
+    its own ``tp_plan`` (:mod:`torchtune_ext.hf.tensor_parallel`).
     """
-    return distributed.shard_model(model, device, is_block=is_decoder_layer(model), **kwargs)
+    return distributed.shard_model(model, device, is_block=is_decoder_layer(model),
+                                   tensor_parallel=apply_tensor_parallel, **kwargs)
 
 
 def load_state(model: nn.Module, state_dict: Dict[str, torch.Tensor], device: Union[str, torch.device], *,
