@@ -447,6 +447,37 @@ def test_start_up_warning_on_resume_counts_only_the_checkpoints_to_come(manager,
     assert "1 to write, the newest 1 kept (keep_last_n_checkpoints=1): up to " in caplog.text
 
 
+# ------------------------------------------------------- CPU memory of a save (issue 31)
+def test_save_memory_is_the_gathered_checkpoint_on_rank_zero_and_the_own_shards_when_asynchronous():
+    from torchtune_ext.checkpoint import expected_checkpoint_bytes, save_memory_bytes
+
+    model = tiny_model()
+    optimizer = torch.optim.AdamW(model.parameters())
+    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    assert save_memory_bytes(model, optimizer, distributed=False) == 0  # one process writes what it holds
+    assert save_memory_bytes(model, optimizer, distributed=True) == expected_checkpoint_bytes(model, optimizer)
+    assert save_memory_bytes(model, optimizer, distributed=True, sharded=True) == 0  # written from where it is
+    # one rank's shards (here the whole model) copied to CPU: weights and AdamW's two moments
+    assert save_memory_bytes(model, optimizer, distributed=True, sharded=True, asynchronous=True) == \
+        weights + 2 * trainable
+
+
+@pytest.mark.parametrize("sharded,key", [(False, "sharded_checkpoints"), (True, "enable_async_checkpointing")])
+def test_start_up_refuses_a_save_the_cpu_memory_cannot_hold(manager, monkeypatch, sharded, key):
+    monkeypatch.setattr(writer, "planned_save_steps", lambda progress, loader, cfg: [2])
+    manager._sharded_saves = sharded
+    progress = Progress(step=0, epoch=0, steps_in_epoch=0, seed=3)
+    with pytest.raises(ConfigError) as err:
+        manager.announce(10**3, progress, loader=None, cfg=None, save_memory=(3 * 2**30, 2**30))
+    assert err.value.key == key and "about 3 GiB, 1 GiB available" in str(err.value), str(err.value)
+    assert ("Set sharded_checkpoints=true" in str(err.value)) != sharded
+    manager.announce(10**3, progress, loader=None, cfg=None, save_memory=(2**30, 3 * 2**30))  # fits
+    manager.announce(10**3, progress, loader=None, cfg=None, save_memory=(3 * 2**30, None))  # unknown: no refusal
+    monkeypatch.setattr(writer, "planned_save_steps", lambda progress, loader, cfg: [])
+    manager.announce(10**3, progress, loader=None, cfg=None, save_memory=(3 * 2**30, 2**30))  # nothing to save
+
+
 # ------------------------------------------------------- content hashes (issue 33 F11)
 def test_manifest_records_the_sha256_of_every_file(manager):
     import hashlib

@@ -41,6 +41,7 @@ from torchtune_ext.checkpoint import (
     latest_checkpoint,
     load_optimizer_shards,
     load_recipe_state,
+    save_memory_bytes,
     set_rng_state,
 )
 from torchtune_ext.control.preemption import GracefulStop
@@ -49,7 +50,7 @@ from torchtune_ext.control.run_lock import OutputDirLock, check_not_in_use
 from torchtune_ext.data import build_step_loader
 from torchtune_ext.evaluate import Validator, build_val_loader
 from torchtune_ext.loss import build_loss
-from torchtune_ext.memory import MemoryGuard
+from torchtune_ext.memory import MemoryGuard, available_memory_bytes
 from torchtune_ext.metrics import StepReporter, build_metric_logger
 from torchtune_ext.models import build_tokenizer
 from torchtune_ext.optim_in_bwd import build_optimizer
@@ -201,10 +202,16 @@ class TrainingRun:
             restore_training(self._resumed, cfg, self.optimizer, self.lr_scheduler, dp_world_size=self.world_size,
                              rank=self.rank, load_optimizer_state=load_optimizer_state)
         self._lora = lora
-        size = expected_checkpoint_bytes(model, self.optimizer, lora=lora,
-                                         adapter_only=bool(cfg.get("save_adapter_weights_only", False)),
-                                         sharded=bool(cfg.get("sharded_checkpoints", False)))
-        self.checkpoints.announce(size, self.progress, self.data, cfg)  # refuses to start without room for one
+        adapter_only = bool(cfg.get("save_adapter_weights_only", False))
+        sharded = bool(cfg.get("sharded_checkpoints", False))
+        size = expected_checkpoint_bytes(model, self.optimizer, lora=lora, adapter_only=adapter_only, sharded=sharded)
+        asynchronous = sharded and bool(cfg.get("enable_async_checkpointing", False))
+        held = save_memory_bytes(model, self.optimizer, distributed=self.distributed, sharded=sharded,
+                                 asynchronous=asynchronous, lora=lora, adapter_only=adapter_only)
+        # a gathered save needs rank 0's memory alone, an asynchronous one every rank's at once
+        available = available_memory_bytes(torch.device("cpu"), per_process=asynchronous) if held else None
+        # refuses to start without disk space for one checkpoint, or CPU memory to save it
+        self.checkpoints.announce(size, self.progress, self.data, cfg, save_memory=(held, available))
 
         self._health = StepHealth(cfg.output_dir, skip_nonfinite_steps=cfg.skip_nonfinite_steps,
                                   loss_spike_nats=cfg.loss_spike_nats, start_step=self.progress.step)

@@ -218,13 +218,14 @@ def _cgroup_headroom() -> Optional[int]:
         return None
 
 
-def available_memory_bytes(device: torch.device) -> Optional[int]:
+def available_memory_bytes(device: torch.device, *, per_process: bool = True) -> Optional[int]:
     """Memory this process could still allocate on ``device``, in bytes; None if unknown.
 
     CUDA: free device memory (``torch.cuda.mem_get_info``) plus what
     PyTorch's caching allocator holds but does not use. CPU: ``MemAvailable``
     of ``/proc/meminfo`` (Linux), or less if a cgroup v2 memory limit is closer,
-    divided among the job's processes on this host (``LOCAL_WORLD_SIZE``),
+    divided among the job's processes on this host (``LOCAL_WORLD_SIZE``;
+    not with ``per_process=False``, for what one process alone will need),
     plus what glibc's allocator holds free for this process
     (:func:`torchtune_ext.runtime.allocator_free_bytes`, the CPU analogue of
     CUDA's cached blocks).
@@ -245,7 +246,7 @@ def available_memory_bytes(device: torch.device) -> Optional[int]:
     if headroom is not None:
         available = headroom if available is None else min(available, headroom)
     # Processes of one job on this host share its memory (torchrun sets LOCAL_WORLD_SIZE).
-    local_processes = max(ranks.local_world_size() or 1, 1)
+    local_processes = max(ranks.local_world_size() or 1, 1) if per_process else 1
     return None if available is None else available // local_processes + allocator_free_bytes()
 
 

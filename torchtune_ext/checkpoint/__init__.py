@@ -81,7 +81,12 @@ from torchtune_ext.checkpoint.sharded import (
     read_full_tensors,
     saved_tensors,
 )
-from torchtune_ext.checkpoint.sizing import expected_checkpoint_bytes, planned_save_steps, tensor_bytes
+from torchtune_ext.checkpoint.sizing import (
+    expected_checkpoint_bytes,
+    planned_save_steps,
+    save_memory_bytes,
+    tensor_bytes,
+)
 from torchtune_ext.checkpoint.writer import CheckpointManager, make_readable
 from torchtune_ext.errors import CheckpointSaveError, DiskSpaceError, OutputWriteError
 
@@ -105,6 +110,7 @@ __all__ = [
     "check_adapter_fits",
     "check_model_fits",
     "expected_checkpoint_bytes",
+    "save_memory_bytes",
     "export_hf",
     "export_step",
     "file_sha256",

@@ -254,7 +254,8 @@ class CheckpointManager:
             return {training.MODEL_KEY: state[training.MODEL_KEY], training.ADAPTER_KEY: tensors}
         return {training.MODEL_KEY: tensors}
 
-    def announce(self, checkpoint_bytes: int, progress: Progress, loader: Any, cfg: DictConfig) -> None:
+    def announce(self, checkpoint_bytes: int, progress: Progress, loader: Any, cfg: DictConfig, *,
+                 save_memory: Tuple[int, Optional[int]] = (0, None)) -> None:
         """Log the disk use to expect at start-up; refuse to start without room for one checkpoint.
 
         Call it on every rank (one collective), after :meth:`load`. Removes the
@@ -266,9 +267,15 @@ class CheckpointManager:
             progress: where the run starts (``total_steps`` already planned).
             loader: the run's :class:`torchtune_ext.data.StepLoader`.
             cfg: the recipe config (``epochs``, ``save_every_n_steps``, ``save_final_checkpoint``).
+            save_memory: this rank's ``(bytes, available)``: the CPU memory a
+                save needs on top of training (:func:`save_memory_bytes`) and
+                the memory available (None: unknown).
 
         Raises:
             DiskSpaceError: if ``output_dir`` has less free space than one checkpoint.
+            ConfigError: (key ``sharded_checkpoints``) rank 0 has not the CPU
+                memory to gather a checkpoint; (``enable_async_checkpointing``)
+                a rank has not the memory to copy its shards; on every rank.
         """
         checkpoint_bytes += self._copied_bytes()
         saves = len(planned_save_steps(progress, loader, cfg))
@@ -284,6 +291,7 @@ class CheckpointManager:
             raise DiskSpaceError("output_dir", f"not enough free disk space for one checkpoint in "
                                  f"'{self.output_dir}': it needs about {format_bytes(checkpoint_bytes)}, "
                                  f"{format_bytes(free)} are free. Free some space or choose another output_dir")
+        self._check_save_memory(save_memory, saves)
         kept = (f"the newest {self.keep_last_n} kept" if self.keep_last_n is not None else "none deleted")
         line = (f"Checkpoints: about {format_bytes(checkpoint_bytes)} each, {saves} to write, {kept} "
                 f"(keep_last_n_checkpoints={self.keep_last_n if self.keep_last_n is not None else 'null'}): "
@@ -685,6 +693,25 @@ class CheckpointManager:
 
     def _staging_is_a_file(self) -> str:
         return f"'{self.staging}' is a file, but saves stage each checkpoint in a folder of that name"
+
+    def _check_save_memory(self, save_memory: Tuple[int, Optional[int]], saves: int) -> None:
+        """Refuse on every rank when some rank has not the CPU memory one save needs (see :meth:`announce`)."""
+        every = _from_every_rank(tuple(save_memory))
+        short = [(rank, need, free) for rank, (need, free) in enumerate(every) if free is not None and need > free]
+        if saves and short:
+            rank, need, free = short[0]
+            if self._sharded_saves:
+                raise ConfigError("enable_async_checkpointing", f"rank {rank} copies its shards to CPU memory to "
+                                  f"save in the background: about {format_bytes(need)}, {format_bytes(free)} "
+                                  "available. Set enable_async_checkpointing=false (the shards are written from "
+                                  "where they are)")
+            raise ConfigError("sharded_checkpoints", f"a gathered checkpoint puts the whole model and optimizer "
+                              f"state in rank 0's CPU memory: about {format_bytes(need)}, {format_bytes(free)} "
+                              "available. Set sharded_checkpoints=true (each rank writes its own shards)")
+        if ranks.is_rank_zero() and save_memory[0]:
+            where = "each rank's shards copied" if self._sharded_saves else "gathered on rank 0"
+            log.info(f"Each save holds about {format_bytes(save_memory[0])} of CPU memory ({where}); "
+                     f"{format_bytes(save_memory[1]) if save_memory[1] is not None else 'unknown'} available")
 
     def _copied_bytes(self) -> int:
         """The small files torchtune copies from the folder it loaded from (config, tokenizer)."""
