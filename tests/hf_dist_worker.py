@@ -6,7 +6,9 @@
 (tests/test_hf_distributed.py; tests/test_hf_tensor_parallel.py, whose cases
 name their own ``folder``, ``tp`` ranks per tensor-parallel group, and may
 ``count_all_ranks``: reduce the step's token count over every rank instead of
-the data-parallel group, the mistake its test must catch).
+the data-parallel group, the mistake its test must catch; ``in_backward``:
+torchtune's ``optimizer_in_bwd``, which needs no clipping; ``clip``: None
+turns clipping off, default 1.0).
 
 Each case builds the tiny HF model of FOLDER the way the distributed recipes
 will: ``causal_lm`` on the meta device, optionally activation checkpointing
@@ -31,6 +33,7 @@ from helpers import IGNORE
 from torchtune_ext import distributed, hf, ranks
 from torchtune_ext.data import StepLoader, build_dataset, make_collate
 from torchtune_ext.loss import SummedCrossEntropyLoss
+from torchtune_ext.optim_in_bwd import build_optimizer
 from torchtune_ext.step import train_step
 
 CPU = torch.device("cpu")
@@ -62,11 +65,13 @@ def run_case(folder: str, case: dict) -> dict:
     loader = StepLoader(samples, make_collate(packed, 0, IGNORE), batch_size=case["batch_size"],
                         gradient_accumulation_steps=case["grad_accum"], seed=5, ignore_index=IGNORE,
                         dp_rank=parallelism.dp_rank, dp_world_size=parallelism.dp_size)
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = build_optimizer(OmegaConf.create({"_component_": "torch.optim.SGD", "lr": 0.5}), trainable,
+                                in_backward=case.get("in_backward", False))
     steps = []
     for i, step_data in enumerate(loader.epoch(0)):
         r = train_step(model, optimizer, loss_fn, step_data.micro_batches, device=CPU,
-                       backward_once_per_step=case["once"], clip_grad_norm=1.0, step=i + 1,
+                       backward_once_per_step=case["once"], clip_grad_norm=case.get("clip", 1.0), step=i + 1,
                        dp_group=None if case.get("count_all_ranks") else parallelism.dp_group)
         steps.append({"loss": r.loss, "grad_norm": r.grad_norm, "num_tokens": r.num_tokens})
     unit_names = [name for name, module in model.named_modules() if module in units]

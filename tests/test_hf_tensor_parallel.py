@@ -6,7 +6,8 @@ exactness test is one 2-process launch (tests/hf_dist_worker.py, gloo on CPU):
 same global batch, per family: Llama (untied output projection, split and
 gathered), Qwen 3 (tied, q/k norms over each rank's own heads), Gemma 3 (tied,
 a scaled embedding, a sliding window, a soft cap), OLMo 2 (q/k norms over every
-head: q/k/v gathered, o_proj's input split again).
+head: q/k/v gathered, o_proj's input split again); and the Llama with activation
+checkpointing, FSDP2's CPU offload, and torchtune's optimizer_in_bwd.
 """
 
 import json
@@ -130,6 +131,11 @@ def cases(folders):
         out += [dict(name=f"{family}_dp2", tp=1, batch_size=1, **common),
                 dict(name=f"{family}_tp2", tp=2, batch_size=2, **common)]
     out.append(dict(out[1], name="llama_tp2_ac_once", ac=True, once=True))  # activation checkpointing
+    out.append(dict(out[1], name="llama_tp2_offload", cpu_offload=True))  # FSDP2's CPU offload
+    # torchtune's optimizer_in_bwd: one micro-batch per step, no clipping, against data parallelism so
+    out += [dict(out[0], name="llama_dp2_noclip", batch_size=2, grad_accum=1, once=True, clip=None),
+            dict(out[1], name="llama_tp2_in_backward", batch_size=4, grad_accum=1, once=True, clip=None,
+                 in_backward=True)]
     # the mistake: the step's tokens summed over both ranks of the tensor-parallel group, i.e. counted twice
     out.append(dict(out[1], name="llama_tp2_counted_on_every_rank", count_all_ranks=True))
     return out
@@ -154,13 +160,18 @@ def assert_same_run(got, ref):
         assert rel_diff(got["params"][key], value) <= TOL, key
 
 
+REFERENCE = {"llama_tp2_in_backward": "llama_dp2_noclip"}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [f"{f}_tp2" for f in FAMILIES] + ["llama_tp2_ac_once"])
+@pytest.mark.parametrize("name", [f"{f}_tp2" for f in FAMILIES] + ["llama_tp2_ac_once", "llama_tp2_offload",
+                                                                      "llama_tp2_in_backward"])
 def test_two_tensor_parallel_ranks_equal_two_data_parallel(results, name):
     """Loss, grad norm (before clipping) and trained weights (gathered: the state dict has no trace of the
     split) of 1 x 2 tensor parallel equal 2 x 1 data parallel on the same global batch."""
-    assert results[name]["mesh"] == (1, 2) and results[f"{name.split('_')[0]}_dp2"]["mesh"] == (2, 1)
-    assert_same_run(results[name], results[f"{name.split('_')[0]}_dp2"])
+    reference = results[REFERENCE.get(name, f"{name.split('_')[0]}_dp2")]
+    assert results[name]["mesh"] == (1, 2) and reference["mesh"] == (2, 1)
+    assert_same_run(results[name], reference)
 
 
 @pytest.mark.slow

@@ -94,6 +94,17 @@ def test_tensor_parallel_dim_must_divide_the_ranks(cfg, monkeypatch):
     assert "3 does not divide the 4 ranks" in str(err.value) and "use one of 1, 2, 4" in str(err.value)
 
 
+def test_compiling_is_refused_under_tensor_parallelism(cfg, monkeypatch):
+    """Compiled tensor-parallel layers trained with other gradients than uncompiled ones (docs/distributed.md)."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg.compile = True
+    assert validate(cfg, extra_keys=DISTRIBUTED_KEYS).compile  # data parallel: compiled and exact
+    cfg.tensor_parallel_dim = 2
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, extra_keys=DISTRIBUTED_KEYS)
+    assert err.value.key == "compile" and "set compile=false, or tensor_parallel_dim=1" in str(err.value)
+
+
 def test_the_config_check_finds_them_before_anything_loads(cfg, monkeypatch):
     """preflight (run before the data, weights or output_dir are touched) builds the model on meta and checks."""
     from torchtune_ext.preflight import check_components
