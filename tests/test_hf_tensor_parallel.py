@@ -25,6 +25,9 @@ from torchtune_ext.hf.tensor_parallel import check_tensor_parallel, tensor_paral
 
 TOL = 1e-5
 COMPONENT = "torchtune_ext.hf.causal_lm"
+# adapters on every projection the plan splits: q/v and the MLP by columns, o_proj and down_proj by rows
+LORA = dict(lora_attn_modules=["q_proj", "v_proj", "output_proj"], apply_lora_to_mlp=True, lora_rank=4,
+            lora_alpha=8)
 
 
 def write_olmo2(folder):
@@ -89,13 +92,17 @@ def test_expert_styles_are_refused(folders):
     assert "tensor_parallel_dim=1" in str(err.value)
 
 
-def test_lora_layers_are_refused(folders):
+def test_lora_layers_split_and_dora_is_refused(folders):
+    """PEFT's LoRA linears take the column or row split of the plan (torchtune_ext.lora_parallel); DoRA's
+    magnitude normalizes over every input feature and is refused."""
     with torch.device("meta"):
-        model = lora_causal_lm(folders["llama"], dtype="fp32", lora_attn_modules=["q_proj"], lora_rank=2,
-                               lora_alpha=4)
+        lora = lora_causal_lm(folders["llama"], dtype="fp32", **LORA)
+        dora = lora_causal_lm(folders["llama"], dtype="fp32", use_dora=True, **LORA)
+    check_tensor_parallel(lora, None, 2, COMPONENT)
     with pytest.raises(ConfigError) as err:
-        check_tensor_parallel(model, None, 2, COMPONENT)
-    assert err.value.key == "tensor_parallel_plan" and "LoRA/DoRA linears" in str(err.value)
+        check_tensor_parallel(dora, None, 2, COMPONENT)
+    assert err.value.key == "tensor_parallel_plan" and "DoRA's magnitude" in str(err.value)
+    assert "tensor_parallel_dim=1" in str(err.value)
 
 
 def test_the_recipes_refuse_it_before_anything_loads(folders, smollm2_assets, monkeypatch, tmp_path):
@@ -132,6 +139,8 @@ def cases(folders):
                 dict(name=f"{family}_tp2", tp=2, batch_size=2, **common)]
     out.append(dict(out[1], name="llama_tp2_ac_once", ac=True, once=True))  # activation checkpointing
     out.append(dict(out[1], name="llama_tp2_offload", cpu_offload=True))  # FSDP2's CPU offload
+    out += [dict(out[0], name="llama_lora_dp2", lora=LORA), dict(out[1], name="llama_lora_tp2", lora=LORA),
+            dict(out[2], name="qwen3_lora_dp2", lora=LORA), dict(out[3], name="qwen3_lora_tp2", lora=LORA)]
     # torchtune's optimizer_in_bwd: one micro-batch per step, no clipping, against data parallelism so
     out += [dict(out[0], name="llama_dp2_noclip", batch_size=2, grad_accum=1, once=True, clip=None),
             dict(out[1], name="llama_tp2_in_backward", batch_size=4, grad_accum=1, once=True, clip=None,
@@ -160,12 +169,14 @@ def assert_same_run(got, ref):
         assert rel_diff(got["params"][key], value) <= TOL, key
 
 
-REFERENCE = {"llama_tp2_in_backward": "llama_dp2_noclip"}
+REFERENCE = {"llama_tp2_in_backward": "llama_dp2_noclip", "llama_lora_tp2": "llama_lora_dp2",
+             "qwen3_lora_tp2": "qwen3_lora_dp2"}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [f"{f}_tp2" for f in FAMILIES] + ["llama_tp2_ac_once", "llama_tp2_offload",
-                                                                      "llama_tp2_in_backward"])
+                                                                      "llama_tp2_in_backward", "llama_lora_tp2",
+                                                                      "qwen3_lora_tp2"])
 def test_two_tensor_parallel_ranks_equal_two_data_parallel(results, name):
     """Loss, grad norm (before clipping) and trained weights (gathered: the state dict has no trace of the
     split) of 1 x 2 tensor parallel equal 2 x 1 data parallel on the same global batch."""

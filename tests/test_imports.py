@@ -19,7 +19,8 @@ LAYERS = {
     2: ("config", "tokenizer"),
     3: ("checkpoint",),
     4: ("control", "_local_recipes"),
-    5: ("loss", "accounting", "grad_norm", "optim_in_bwd", "distributed", "hf", "models", "lora", "runtime",
+    5: ("loss", "accounting", "grad_norm", "optim_in_bwd", "lora_parallel", "distributed", "hf", "models", "lora",
+        "runtime",
         "health", "memory", "preflight", "data_check", "data", "resume", "step", "metrics", "evaluate"),
     6: ("loop", "parity_report"),
 }

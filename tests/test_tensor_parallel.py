@@ -70,11 +70,20 @@ def test_a_model_without_a_plan_is_refused():
     assert tensor_parallel_plan(None, "torchtune_ext.hf.causal_lm") is None
 
 
-def test_a_lora_model_has_no_plan():
+def test_lora_splits_with_its_base_but_dora_and_qlora_do_not():
     lora = meta("torchtune_ext.models.lora_tiny_llama", lora_attn_modules=["q_proj", "v_proj"])
+    check_tensor_parallel(lora, tensor_parallel_plan(None, TINY), 2, TINY)
+    dora = meta("torchtune_ext.models.lora_tiny_llama", lora_attn_modules=["q_proj", "v_proj"], use_dora=True)
     with pytest.raises(ConfigError) as err:
-        check_tensor_parallel(lora, tensor_parallel_plan(None, TINY), 2, TINY)
-    assert err.value.key == "tensor_parallel_plan" and "LoRA" in str(err.value), str(err.value)
+        check_tensor_parallel(dora, tensor_parallel_plan(None, TINY), 2, TINY)
+    assert err.value.key == "tensor_parallel_plan" and "DoRA's magnitude" in str(err.value), str(err.value)
+    # QLoRA: NF4 needs weights of 64 x 256 values at least, more than the tiny model's
+    from torchtune.modules.peft import LoRALinear
+
+    from torchtune_ext.lora_parallel import refusal
+
+    assert refusal(LoRALinear(128, 128, rank=2, alpha=4, quantize_base=True)) == "its base weight is quantized (NF4)"
+    assert refusal(LoRALinear(128, 128, rank=2, alpha=4)) is None
 
 
 def test_a_plan_that_names_no_module_is_refused():
@@ -115,12 +124,13 @@ def test_the_config_check_finds_them_before_anything_loads(cfg, monkeypatch):
     cfg = validate(cfg, extra_keys=DISTRIBUTED_KEYS)
     with pytest.raises(ConfigError, match="num_kv_heads=2"):
         check_components(cfg, torch.device("cpu"))
-    lora = validate(OmegaConf.merge(cfg, {"model": {"_component_": "torchtune_ext.models.lora_tiny_llama",
-                                                    "lora_attn_modules": ["q_proj"], "num_kv_heads": 4},
+    dora = validate(OmegaConf.merge(cfg, {"model": {"_component_": "torchtune_ext.models.lora_tiny_llama",
+                                                    "lora_attn_modules": ["q_proj"], "num_kv_heads": 4,
+                                                    "use_dora": True},
                                           "tensor_parallel_dim": 2}),
                     extra_keys={**LORA_KEYS, **DISTRIBUTED_KEYS})
-    with pytest.raises(ConfigError, match="LoRA/DoRA linears have no tensor-parallel style"):
-        check_components(lora, torch.device("cpu"))
+    with pytest.raises(ConfigError, match="DoRA's magnitude normalizes"):
+        check_components(dora, torch.device("cpu"))
 
 
 # ------------------------------------------------------------- exactness
@@ -130,13 +140,19 @@ CASES = [
     {"name": "dp2_tp2_once", "tp": 2, "once": True},
     {"name": "qwen2_dp4", "tp": 1, "arch": "qwen2"},
     {"name": "qwen2_dp2_tp2", "tp": 2, "arch": "qwen2"},
+    # LoRA (torchtune_ext.lora_parallel): adapters split with their base; Qwen2's on its untied output too
+    {"name": "lora_dp4", "tp": 1, "model": "lora"},
+    {"name": "lora_dp2_tp2", "tp": 2, "model": "lora"},
+    {"name": "qwen2_lora_dp4", "tp": 1, "arch": "qwen2", "model": "lora"},
+    {"name": "qwen2_lora_dp2_tp2", "tp": 2, "arch": "qwen2", "model": "lora"},
     # the mistake: the token count and sums reduced over every rank, i.e. each token counted once per tp rank
     {"name": "dp2_tp2_counted_on_every_rank", "tp": 2, "count_all_ranks": True},
     # checkpointed after 2 steps as the recipes save, continued on another layout
     # (TP -> DP: tests/recipes/test_tensor_parallel_recipe.py, through the recipe, from a sharded checkpoint)
     {"name": "dp4_then_dp2_tp2", "tp": 1, "then_tp": 2},
 ]
-REFERENCE = {"llama": "dp4", "qwen2": "qwen2_dp4"}
+REFERENCE = {"dp2_tp2": "dp4", "dp2_tp2_once": "dp4", "qwen2_dp2_tp2": "qwen2_dp4", "lora_dp2_tp2": "lora_dp4",
+             "qwen2_lora_dp2_tp2": "qwen2_lora_dp4"}
 # Qwen2's key bias gets a gradient of 0 in exact arithmetic (softmax does not change when every key moves by the
 # same vector); AdamW turns its rounding noise (~1e-9) into steps of +-lr, different for every summation order.
 NOISE_ONLY = ("attn.k_proj.bias",)
@@ -163,11 +179,11 @@ def assert_same_run(got, ref):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["dp2_tp2", "dp2_tp2_once", "qwen2_dp2_tp2"])
+@pytest.mark.parametrize("name", sorted(REFERENCE))
 def test_two_by_two_tensor_parallel_equals_four_data_parallel(results, name):
     got = results[name]
     assert (got["dp_size"], got["tp_size"]) == (2, 2)
-    assert_same_run(got, results[REFERENCE["qwen2" if name.startswith("qwen2") else "llama"]])
+    assert_same_run(got, results[REFERENCE[name]])
 
 
 @pytest.mark.slow

@@ -11,7 +11,9 @@ tensor-parallel group, the rest data parallel), ``shard_model`` (tensor
 parallel, then FSDP2 over ``dp``), ``StepLoader`` on the data-parallel
 coordinates, and ``train_step`` reducing over the data-parallel group.
 
-Optional keys: ``then_tp``: after 2 steps the model and optimizer states are
+Optional keys: ``model``: ``lora`` trains the LoRA variant of the model
+(adapters on q/v and the MLP; Qwen2's on q/k, the MLP and its output
+projection), the base frozen; ``then_tp``: after 2 steps the model and optimizer states are
 gathered the way the recipes save a checkpoint (full state dicts on rank 0,
 which every rank then reads), and training continues on a model built anew
 with ``then_tp`` ranks per tensor-parallel group; ``count_all_ranks``: the
@@ -30,6 +32,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
+from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
 from dist_worker import build, initial_state
 from helpers import IGNORE
@@ -45,12 +48,14 @@ SWITCH_AFTER = 2
 faulthandler.enable()
 
 
-def build_sharded(arch: str, tp: int, state: dict):
+def build_sharded(arch: str, tp: int, state: dict, kind: str = "full"):
     """The model under ``tp`` ranks per tensor-parallel group, loaded with the full ``state``; and its mesh."""
     plan = distributed.tensor_parallel_plan(None, PLAN_OF[arch]) if tp > 1 else None
     parallelism = distributed.build_parallelism(CPU, tp, plan)
     with torch.device("meta"):
-        model = build("full", arch)
+        model = build(kind, arch)
+    if kind == "lora":
+        set_trainable_params(model, get_adapter_params(model))
     distributed.shard_model(model, CPU, parallelism=parallelism)
     distributed.load_full_model_state_dict(model, state, CPU)
     loss_fn = SummedCrossEntropyLoss(num_output_chunks=2, ignore_index=IGNORE)
@@ -68,9 +73,9 @@ def step_loader(case: dict, parallelism) -> StepLoader:
 
 
 def run_case(case: dict) -> dict:
-    arch = case.get("arch", "llama")
-    model, loss_fn, parallelism = build_sharded(arch, case["tp"], initial_state("full", arch=arch))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    arch, kind = case.get("arch", "llama"), case.get("model", "full")
+    model, loss_fn, parallelism = build_sharded(arch, case["tp"], initial_state(kind, arch=arch), kind)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     steps_data = list(step_loader(case, parallelism).epoch(0))
     steps = []
     for i in range(len(steps_data)):
@@ -79,8 +84,8 @@ def run_case(case: dict) -> dict:
             saved = [{"model": distributed.gather_full_model_state_dict(model, CPU),
                       "optimizer": distributed.gather_full_optimizer_state_dict(model, optimizer)}]
             dist.broadcast_object_list(saved, src=0)
-            model, loss_fn, parallelism = build_sharded(arch, case["then_tp"], saved[0]["model"])
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            model, loss_fn, parallelism = build_sharded(arch, case["then_tp"], saved[0]["model"], kind)
+            optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
             distributed.load_full_optimizer_state_dict(model, optimizer, saved[0]["optimizer"], CPU)
             steps_data = list(step_loader(case, parallelism).epoch(0))  # the new layout's share of each step
         dp_group = None if case.get("count_all_ranks") else parallelism.dp_group

@@ -46,13 +46,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 from torch.nn.modules.module import _IncompatibleKeys
 from torchtune import config as tt_config
 from torchtune import training
 from torchtune.modules import MultiHeadAttention, TiedLinear
 
-from torchtune_ext import ranks
+from torchtune_ext import lora_parallel, ranks
 from torchtune_ext.checkpoint import rng_state
 from torchtune_ext.config import check_tensor_parallel_dim
 from torchtune_ext.errors import ConfigError
@@ -245,8 +245,10 @@ def check_tensor_parallel(model: nn.Module, plan: Dict[str, ParallelStyle], tens
     of query heads and of key/value heads of every attention module must be
     multiples of it; each pattern of the plan must name modules of the model,
     and those must be plain ``nn.Linear`` or ``nn.Embedding`` layers (torch's
-    styles split nothing else: LoRA's linears have no style). An ``output``
-    entry is skipped for a tied output projection: it is the split embedding.
+    styles split nothing else), or LoRA linears under a column or row split
+    (:mod:`torchtune_ext.lora_parallel`; not DoRA, QLoRA's NF4 base or an
+    adapter bias). An ``output`` entry is skipped for a tied output
+    projection: it is the split embedding.
 
     Raises:
         ConfigError: (key ``tensor_parallel_dim``) a head count it does not
@@ -273,12 +275,16 @@ def check_tensor_parallel(model: nn.Module, plan: Dict[str, ParallelStyle], tens
             raise ConfigError("tensor_parallel_plan", f"'{pattern}' names no module of {model_component}: the "
                               "plan does not fit this model; name a plan for it, or set tensor_parallel_dim=1")
         for name, module in matches:
-            if type(module) not in (nn.Linear, nn.Embedding):
-                lora = hasattr(module, "adapter_params")
-                why = ("LoRA/DoRA linears have no tensor-parallel style; train LoRA with tensor_parallel_dim=1 "
-                       "(FSDP2 shards its frozen base)" if lora else
-                       "torch's styles split only nn.Linear and nn.Embedding; name a plan for this model, or set "
+            why = None
+            if lora_parallel.is_lora_linear(module):
+                why = lora_parallel.refusal(module)
+                if why is None and type(plan[pattern]) not in (ColwiseParallel, RowwiseParallel):
+                    why = f"a LoRA linear is split by columns or rows only, not by {type(plan[pattern]).__name__}"
+                why = why and f"{why}; train it with tensor_parallel_dim=1 (FSDP2 shards its frozen base)"
+            elif type(module) not in (nn.Linear, nn.Embedding):
+                why = ("torch's styles split only nn.Linear and nn.Embedding; name a plan for this model, or set "
                        "tensor_parallel_dim=1")
+            if why:
                 raise ConfigError("tensor_parallel_plan", f"cannot split {'.'.join(_plain_name(name))} "
                                   f"({type(module).__name__}) of {model_component}: {why}")
 
@@ -339,7 +345,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: Dict[str,
         if not matches:
             raise ValueError(f"tensor-parallel plan: '{pattern}' names no module of the model")
         for _name, module in matches:
-            parallelize_module(module, tp_mesh, style)
+            parallelize_module(module, tp_mesh, lora_parallel.style_for(module, style))
     if isinstance(output, TiedLinear):
         model.output = GatheredTiedLinear(output.tied_module)
 

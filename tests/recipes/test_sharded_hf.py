@@ -7,9 +7,9 @@ ranks saves asynchronously every 2 steps (LoRA synchronously); its step_2 resume
 norm to 1e-5). The final folders of the sharded runs (full and LoRA) must give the logits of the gathered
 runs' folders in transformers (LoRA: the merged model, and PEFT's adapter on the base folder too); so
 must a periodic checkpoint exported on request (``python -m torchtune_ext.checkpoint.export``). The
-gathered full run is tensor parallel (1 data-parallel x 2 tensor-parallel ranks, the model's own tp_plan,
-batch 2 x 2 accumulation steps: the same global batch) and must train as the data-parallel one: the
-recipe's end of tests/test_hf_tensor_parallel.py.
+gathered runs, full and LoRA, are tensor parallel (1 data-parallel x 2 tensor-parallel ranks, the model's
+own tp_plan, batch 2 x 2 accumulation steps: the same global batch) and must train as the data-parallel
+ones: the recipe's end of tests/test_hf_tensor_parallel.py.
 """
 
 import json
@@ -109,7 +109,12 @@ def test_lora_sharded_exports_the_gathered_folder_and_adapter(folder):
     settings = ("batch_size=1", "gradient_accumulation_steps=2", "model.lora_rank=4", "model.lora_alpha=8")
     sharded = tune(folder, "lora", folder / "lora_sharded", *settings, "sharded_checkpoints=true",
                    "save_every_n_steps=2")
-    gathered = tune(folder, "lora", folder / "lora_gathered", *settings)
+    # tensor parallel (PEFT's adapters split with their base), the same global batch
+    gathered = tune(folder, "lora", folder / "lora_gathered", "tensor_parallel_dim=2", "batch_size=2",
+                    "gradient_accumulation_steps=2", "model.lora_rank=4", "model.lora_alpha=8")
+    tensor_parallel = read_jsonl(gathered / "logs" / "metrics.jsonl")
+    assert (tensor_parallel[0]["dp_world_size"], tensor_parallel[0]["tp_world_size"]) == (1, 2)
+    _assert_same_steps(tensor_parallel, read_jsonl(sharded / "logs" / "metrics.jsonl"))
     resumed = folder / "lora_resumed"  # 2 ranks -> 1, the same global batch (configs/hf/lora.yaml: no dropout)
     shutil.copytree(sharded / "step_2", resumed / "step_2")
     tune(folder, "lora", resumed, "batch_size=1", "gradient_accumulation_steps=4", "model.lora_rank=4",

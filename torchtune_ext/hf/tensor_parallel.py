@@ -29,7 +29,7 @@ from typing import Callable, Dict, Optional
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -38,8 +38,23 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from torchtune_ext import distributed
+from torchtune_ext import distributed, lora_parallel
 from torchtune_ext.errors import ConfigError
+
+
+class ReplicatedNorm(SequenceParallel):
+    """torch's ``SequenceParallel`` that keeps a frozen weight frozen (a LoRA run's norms).
+
+    torch's own makes every replicated weight a new ``nn.Parameter``, which
+    requires a gradient: a LoRA recipe, which collects what it trains after
+    sharding, would train the norms too.
+    """
+
+    def _replicate_module_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        for param_name, param in list(module.named_parameters(recurse=False)):
+            replicated = DTensor.from_local(param, device_mesh, [Replicate()], run_check=False)
+            module.register_parameter(param_name, nn.Parameter(replicated, requires_grad=param.requires_grad))
+
 
 # transformers' style name -> (the torch style computing the same, the weight dimension it splits: 0 rows, 1
 # columns, None nothing). Sources: transformers.integrations.tensor_parallel.ParallelInterface; torch's
@@ -60,8 +75,12 @@ STYLES: Dict[str, "tuple[Callable[[], ParallelStyle], Optional[int]]"] = {
     # rank and its gradient is the sum of the ranks' parts. Marking the input as split along its first
     # dimension says "the ranks hold different rows" (the norm runs over the last one, so any other would do);
     # DTensor then sums the weight's gradient over the group in backward and nothing in forward.
-    "replicated_with_grad_allreduce": (lambda: SequenceParallel(sequence_dim=0, use_local_output=True), None),
+    "replicated_with_grad_allreduce": (lambda: ReplicatedNorm(sequence_dim=0, use_local_output=True), None),
 }
+
+
+# The styles a LoRA linear can take (:mod:`torchtune_ext.lora_parallel`): plain column and row splits.
+LORA_STYLES = ("colwise", "colwise_gather_output", "colwise_rep", "rowwise", "rowwise_split_input")
 
 
 def _is_tied(model: nn.Module) -> bool:
@@ -114,7 +133,8 @@ def check_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, ParallelSty
     """Whether ``plan`` (None: the model's own) splits ``model`` (built on meta) over ``tensor_parallel_dim`` ranks.
 
     With the model's own plan: every module it splits must be a plain
-    ``nn.Linear`` or ``nn.Embedding`` (not a LoRA layer), the dimension each
+    ``nn.Linear`` or ``nn.Embedding``, or a PEFT LoRA linear under a column
+    or row split (:mod:`torchtune_ext.lora_parallel`), the dimension each
     style splits must be a multiple of ``tensor_parallel_dim``, and where
     q/k/v are split without gathering, so must the numbers of query and
     key/value heads. A plan of the config's own gets
@@ -133,12 +153,17 @@ def check_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, ParallelSty
     for pattern, style in named.items():
         dim = STYLES[style][1]
         for name, module in distributed.modules_matching(model, pattern):
-            if hasattr(module, "base_layer"):  # PEFT's LoRA/DoRA layers wrap the linear they adapt
+            lora = lora_parallel.is_lora_linear(module)  # PEFT's LoRA layers wrap the linear they adapt
+            why = lora_parallel.refusal(module) if lora else None
+            if lora and why is None and style not in LORA_STYLES:
+                why = f"a LoRA linear is split by columns or rows only, not as '{style}'"
+            if why:
                 raise ConfigError("tensor_parallel_plan", f"cannot split {name} ({type(module).__name__}) of "
-                                  f"{model_component}: LoRA/DoRA linears have no tensor-parallel style; train LoRA "
-                                  "with tensor_parallel_dim=1 (FSDP2 shards its frozen base)")
+                                  f"{model_component}: {why}; train it with tensor_parallel_dim=1 (FSDP2 shards "
+                                  "its frozen base)")
             if dim is None:
                 continue
+            module = module.base_layer if lora else module
             kind = nn.Embedding if style.startswith("embedding") else nn.Linear
             if type(module) is not kind:
                 raise ConfigError("tensor_parallel_plan", f"cannot split {name} ({type(module).__name__}) of "
@@ -175,4 +200,4 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: Optional[
         if not matches and not own:  # transformers' plans may name modules a config leaves out, as it skips them
             raise ValueError(f"tensor-parallel plan: '{pattern}' names no module of the model")
         for _name, module in matches:
-            parallelize_module(module, tp_mesh, style)
+            parallelize_module(module, tp_mesh, lora_parallel.style_for(module, style))
