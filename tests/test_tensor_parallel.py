@@ -61,6 +61,17 @@ def test_tensor_parallel_dim_must_divide_the_head_counts(heads, kv_heads, tp, ba
     assert bad in str(err.value) and "whole heads" in str(err.value) and "\n" not in str(err.value)
 
 
+def test_the_fix_names_what_fits_both_the_model_and_the_ranks():
+    """SmolLM2's 9 heads and 3 key/value heads on 2 ranks: only 1 fits; 3 needs a multiple of 3 ranks."""
+    model = meta(num_heads=9, num_kv_heads=3, embed_dim=72)
+    with pytest.raises(ConfigError) as err:
+        check_tensor_parallel(model, tensor_parallel_plan(None, TINY), 2, TINY, world_size=2)
+    assert str(err.value).endswith("on 2 ranks use 1 (3 needs a multiple of that many ranks)"), str(err.value)
+    with pytest.raises(ConfigError) as err:
+        check_tensor_parallel(model, tensor_parallel_plan(None, TINY), 2, TINY, world_size=6)
+    assert str(err.value).endswith("on 6 ranks use 1 or 3"), str(err.value)
+
+
 def test_a_model_without_a_plan_is_refused():
     with pytest.raises(ConfigError) as err:
         tensor_parallel_plan(None, "torchtune.models.gemma.gemma_2b")

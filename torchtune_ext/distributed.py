@@ -237,8 +237,22 @@ def modules_matching(model: nn.Module, pattern: str) -> List[Tuple[str, nn.Modul
     return found
 
 
+def tensor_parallel_fits(divisible: int, world_size: Optional[int] = None) -> str:
+    """What to use instead, for an error message: the divisors of ``divisible`` (the model's counts' common
+    divisor) that also divide the job's ``world_size`` ranks, and what the others need."""
+    fits = [t for t in range(1, divisible + 1) if divisible % t == 0]
+    if world_size is None:
+        return f"use a divisor of {divisible} ({', '.join(map(str, fits))})"
+    here = [t for t in fits if world_size % t == 0]
+    others = [t for t in fits if t not in here]
+    line = f"on {world_size} rank{'s' if world_size > 1 else ''} use {' or '.join(map(str, here))}"
+    if others:
+        line += f" ({', '.join(map(str, others))} need{'s' if len(others) == 1 else ''} a multiple of that many ranks)"
+    return line
+
+
 def check_tensor_parallel(model: nn.Module, plan: Dict[str, ParallelStyle], tensor_parallel_dim: int,
-                          model_component: str) -> None:
+                          model_component: str, world_size: Optional[int] = None) -> None:
     """Whether ``plan`` can split ``model`` (built on the meta device) over ``tensor_parallel_dim`` ranks.
 
     Each tensor-parallel rank computes whole attention heads, so the number
@@ -265,7 +279,7 @@ def check_tensor_parallel(model: nn.Module, plan: Dict[str, ParallelStyle], tens
             fits = gcd(gcd(module.num_heads, module.num_kv_heads), module.embed_dim)
             raise ConfigError("tensor_parallel_dim", f"{tensor_parallel_dim} does not divide the model's "
                               f"{', '.join(bad)} ({'.'.join(_plain_name(name))} of {model_component}): each "
-                              f"tensor-parallel rank computes whole heads; use a divisor of {fits}")
+                              f"tensor-parallel rank computes whole heads; {tensor_parallel_fits(fits, world_size)}")
     tied = isinstance(getattr(model, "output", None), TiedLinear)
     for pattern in plan:
         if pattern == "output" and tied:

@@ -360,7 +360,8 @@ def shard_model(model: nn.Module, device: torch.device, **kwargs) -> list:
     return distributed.shard_model(model, device, **kwargs)
 
 
-def check_tensor_parallel(model: nn.Module, plan: Any, tensor_parallel_dim: int, model_component: str) -> None:
+def check_tensor_parallel(model: nn.Module, plan: Any, tensor_parallel_dim: int, model_component: str,
+                          world_size: Any = None) -> None:
     """Whether ``plan`` splits ``model`` (on meta) over ``tensor_parallel_dim`` ranks; None: a transformers
     model's own ``tp_plan``.
 
@@ -369,8 +370,9 @@ def check_tensor_parallel(model: nn.Module, plan: Any, tensor_parallel_dim: int,
     arguments and errors are theirs.
     """
     if is_hf_model(model):
-        return _hf().tensor_parallel.check_tensor_parallel(model, plan, tensor_parallel_dim, model_component)
-    return distributed.check_tensor_parallel(model, plan, tensor_parallel_dim, model_component)
+        return _hf().tensor_parallel.check_tensor_parallel(model, plan, tensor_parallel_dim, model_component,
+                                                           world_size)
+    return distributed.check_tensor_parallel(model, plan, tensor_parallel_dim, model_component, world_size)
 
 
 def load_model_state(model: nn.Module, state_dict: dict, device: torch.device, source: Any, *,

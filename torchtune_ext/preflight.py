@@ -38,6 +38,7 @@ import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from torchtune import config as tt_config
 
+from torchtune_ext import ranks
 from torchtune_ext.config import PROFILER_COMPONENT, check_output_dir, enabled, resolve_component
 from torchtune_ext.distributed import tensor_parallel_plan
 from torchtune_ext.errors import ConfigError, UserError
@@ -249,7 +250,7 @@ def _check_tensor_parallel(cfg: DictConfig, model: torch.nn.Module) -> None:
     if tensor_parallel_dim == 1:
         return
     plan = tensor_parallel_plan(cfg.get("tensor_parallel_plan"), cfg.model._component_)
-    check_tensor_parallel(model, plan, tensor_parallel_dim, cfg.model._component_)
+    check_tensor_parallel(model, plan, tensor_parallel_dim, cfg.model._component_, ranks.world_size())
 
 
 def _check_optimizer(cfg: DictConfig, device: torch.device) -> None:

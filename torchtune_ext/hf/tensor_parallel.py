@@ -129,7 +129,7 @@ def tensor_parallel_plan(model: nn.Module, model_component: str = "the model") -
 
 
 def check_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, ParallelStyle]], tensor_parallel_dim: int,
-                          model_component: str) -> None:
+                          model_component: str, world_size: Optional[int] = None) -> None:
     """Whether ``plan`` (None: the model's own) splits ``model`` (built on meta) over ``tensor_parallel_dim`` ranks.
 
     With the model's own plan: every module it splits must be a plain
@@ -146,7 +146,7 @@ def check_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, ParallelSty
             cannot be applied, a module that cannot be split.
     """
     if plan is not None:
-        distributed.check_tensor_parallel(model, plan, tensor_parallel_dim, model_component)
+        distributed.check_tensor_parallel(model, plan, tensor_parallel_dim, model_component, world_size)
         return
     named = _model_plan(model, model_component)
     splits = []  # (what is split, its size)
@@ -179,7 +179,8 @@ def check_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, ParallelSty
     bad = [what for what, size in splits if size % tensor_parallel_dim]
     if bad:
         raise ConfigError("tensor_parallel_dim", f"{tensor_parallel_dim} does not divide the {bad[0]} of "
-                          f"{model_component}; use a divisor of {gcd(*(size for _, size in splits))}")
+                          f"{model_component}; "
+                          f"{distributed.tensor_parallel_fits(gcd(*(size for _, size in splits)), world_size)}")
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: Optional[Dict[str, ParallelStyle]]) -> None:
