@@ -136,6 +136,9 @@ class CheckpointManager:
         self._cfg = cfg_checkpointer
         self._checkpointer = None
         self._run_config = OmegaConf.to_container(run_config, resolve=True) if run_config is not None else None
+        # The config's relative paths (the base checkpoint, the tokenizer) are relative to this folder: an export
+        # on request run from elsewhere reads them from here (hf_export.export_step)
+        self._run_dir = os.getcwd()
         self._dp_world_size = dp_world_size
         self._hash_files = hash_files
         self._chat_template: Optional[str] = None  # what training's tokenizer writes; "" if nothing to save
@@ -470,6 +473,7 @@ class CheckpointManager:
             "rng_by_rank": [rng_state()] if rng_by_rank is None else rng_by_rank,
             "dp_world_size": self._dp_world_size,
             "config": self._run_config,
+            "run_dir": self._run_dir,
         }
 
     def _prepare_staging(self, final: Path, written: Path, needed: int, recipe_state: Dict[str, Any]) -> None:
@@ -824,16 +828,20 @@ def _existing_parent(path: Path) -> Path:
 
 
 def make_readable(folder: Path) -> None:
-    """Give every file under ``folder`` the permissions of a newly created file (0666 less the umask).
+    """Give every file under ``folder`` the permissions of a newly created file (0666 less the umask), and
+    ``folder`` and the folders under it those of a newly created folder (0777 less the umask).
 
-    Some writers (safetensors, temporary files) create files readable only by
-    their owner; a checkpoint is for others to load too.
+    Some writers (safetensors, temporary files and folders) create them
+    readable only by their owner; a checkpoint is for others to load too.
     """
     umask = os.umask(0)
     os.umask(umask)
+    folder.chmod(0o777 & ~umask)
     for path in folder.rglob("*"):
         if path.is_file():
             path.chmod(0o666 & ~umask)
+        elif path.is_dir() and not path.is_symlink():
+            path.chmod(0o777 & ~umask)
 
 
 def _write_synced(path: Path, text: str) -> None:
