@@ -434,7 +434,7 @@ class CheckpointManager:
             except BaseException as err:  # a failure to start: DCP reports it on every rank
                 upload = _failed_future(err)
             self._pending = self._executor.submit(self._finish_sharded, final, written, upload, None, needed,
-                                                  suspect_from, start)
+                                                  suspect_from, start, asynchronous=True)
             return final
         try:
             dcp.save(state, checkpoint_id=str(written / DCP_DIR))
@@ -539,9 +539,10 @@ class CheckpointManager:
 
     def _finish_sharded(self, final: Path, written: Path, upload: Optional[Future],
                         export: Optional[Callable[[Path, int, int], List[str]]], needed: int,
-                        suspect_from: Optional[int], start: float) -> None:
+                        suspect_from: Optional[int], start: float, asynchronous: bool = False) -> None:
         """After the shards are written (``upload`` done): the export, each rank's hashes, then rank 0's
-        manifest, rename and pruning; every rank raises the same error if any rank failed."""
+        manifest, rename and pruning; every rank raises the same error if any rank failed.
+        ``asynchronous``: in the save's thread, while training goes on (its log line says so)."""
         group, rank = self._group, ranks.rank()
         failure = None
         if upload is not None:
@@ -563,7 +564,8 @@ class CheckpointManager:
         failure = None
         if rank == 0:
             hashed = {name: entry for _, theirs in everyone for name, entry in theirs.items()}
-            failure = self._capture(final, lambda: self._complete(final, written, hashed, start, suspect_from))
+            failure = self._capture(final, lambda: self._complete(final, written, hashed, start, suspect_from,
+                                                                  asynchronous=asynchronous))
         self._raise_agreed(final, [_from_rank_zero(failure, group)], needed, group)
 
     def _hashes(self, folder: Path, names: Iterable[str]) -> Dict[str, Tuple[int, Optional[str]]]:
@@ -572,8 +574,12 @@ class CheckpointManager:
                 for name in names}
 
     def _complete(self, final: Path, written: Path, hashed: Dict[str, Tuple[int, Optional[str]]], start: float,
-                  suspect_from: Optional[int]) -> None:
-        """Rank 0: hash what no rank hashed (its small files, ``.metadata``), write the manifest, rename into place."""
+                  suspect_from: Optional[int], asynchronous: bool = False) -> None:
+        """Rank 0: hash what no rank hashed (its small files, ``.metadata``), write the manifest, rename into place.
+
+        ``asynchronous``: the log line says the checkpoint was written in the background (training went on
+        meanwhile, so its time is not a pause of training, and the line comes some steps after the save's step).
+        """
         make_readable(written)
         names = [p.relative_to(written).as_posix() for p in sorted(written.rglob("*")) if p.is_file()]
         hashed.update(self._hashes(written, [n for n in names if n not in hashed and n != MANIFEST]))
@@ -585,8 +591,9 @@ class CheckpointManager:
         os.replace(written, final)
         shutil.rmtree(self.staging, ignore_errors=True)
         _fsync_dir(self.output_dir)
+        background = ", written in the background while training went on" if asynchronous else ""
         log.info(f"Checkpoint saved: {final} ({format_bytes(sum(files.values()))} in "
-                 f"{time.perf_counter() - start:.1f} s, sharded over {ranks.process_group_size()} ranks)")
+                 f"{time.perf_counter() - start:.1f} s, sharded over {ranks.process_group_size()} ranks{background})")
         self._prune(keep=final, suspect_from=suspect_from)
 
     def _clear_way(self, final: Path) -> None:
