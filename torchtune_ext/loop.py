@@ -272,7 +272,8 @@ class TrainingRun:
                                 dp_world_size=self.world_size, rank=self.rank, model=self.model, dtype=self.dtype,
                                 tp_world_size=self.parallelism.tp_size if self.parallelism else 1,
                                 peak_tflops_per_device=cfg.peak_tflops_per_device,
-                                log_peak_memory=cfg.log_peak_memory_stats, profiler=self._profiler)
+                                log_peak_memory=cfg.log_peak_memory_stats, profiler=self._profiler,
+                                distributed=self.distributed)
         self._validator.at_start(progress)
         while progress.epoch < cfg.epochs:
             epoch = progress.epoch
