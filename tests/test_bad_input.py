@@ -742,3 +742,17 @@ def test_a_misspelt_override_ends_tune_run_with_one_line_before_anything_loads(t
         "error: config key 'optimzer.lr': typed on the command line, but this recipe has no key 'optimzer', so "
         "the value would be ignored. Did you mean 'optimizer'?"]
     assert not out.exists()
+
+
+def test_an_output_dir_that_is_a_file_says_to_choose_a_folder(tmp_path):
+    """One line naming the key, the file and the fix; the file is left as it was."""
+    from torchtune_ext.config.files import check_output_dir
+
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    with pytest.raises(ConfigError) as err:
+        check_output_dir(str(afile))
+    message = str(err.value)
+    assert message.startswith("config key 'output_dir'") and "\n" not in message
+    assert f"'{afile}' exists and is not a directory: choose a folder path for output_dir" in message
+    assert afile.read_text() == "mine"

@@ -269,3 +269,19 @@ def test_lr_is_logged_at_full_precision_and_the_last_step_line_shows_it(tmp_path
     assert json.loads((tmp_path / "logs" / "metrics.jsonl").read_text())["lr"] == lr
     assert [r["lr"] for r in read_offline_run(str(tmp_path / "logs"))["history"] if "lr" in r] == [lr]
     assert "Last optimizer step 1: loss 1.5000, lr 2.9e-06, grad_norm 0.25, " in caplog.text
+
+
+def test_a_distributed_recipe_on_one_rank_logs_the_distributed_keys(tmp_path):
+    """So that a run resumed from 2 ranks on 1 keeps its keys (docs/metrics.md); a single-device run has none."""
+    r = StepResult(loss=1.5, num_tokens=300, local_num_tokens=300, grad_norm=2.0)
+    one = step_record(r, step=1, epoch=0, lr=1e-4, step_seconds=2.0, device=CPU, distributed=True)
+    assert one["dp_world_size"] == 1 and one["tokens_per_second_per_device"] == one["tokens_per_second"] == 150.0
+    alone = step_record(r, step=1, epoch=0, lr=1e-4, step_seconds=2.0, device=CPU)
+    assert "dp_world_size" not in alone and "tokens_per_second_per_device" not in alone
+    from torchtune_ext.metrics import StepReporter
+
+    reporter = StepReporter(MetricLogger(tmp_path / "metrics.jsonl"), CPU, total_steps=1, distributed=True)
+    reporter.start_step()
+    record = reporter.end_step(r, step=1, epoch=0, lr=1e-4, skipped_steps=0)
+    reporter.close()
+    assert record["dp_world_size"] == 1 and "tokens_per_second_per_device" in record

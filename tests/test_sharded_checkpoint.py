@@ -181,6 +181,24 @@ def test_an_asynchronous_save_returns_at_once_holds_the_state_of_its_step_and_co
         assert torch.equal(tensor, before[name]), name
 
 
+def test_the_line_of_an_asynchronous_save_says_it_was_written_in_the_background(tmp_path, caplog):
+    """Its line comes steps after the save's step, and its time was no pause of training: the line says so;
+    a synchronous save's does not."""
+    (tmp_path / "out").mkdir()
+    manager = CheckpointManager(OmegaConf.create({}), str(tmp_path / "out"), sharded_saves=True, asynchronous=True)
+    model = _llama()
+    optimizer = _trained(model)
+    with caplog.at_level("INFO"):
+        manager.save_sharded(model, optimizer, _progress(1), asynchronous=True)
+        manager.wait()
+        manager.save_sharded(model, optimizer, _progress(2))
+    manager.close()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Checkpoint saved")]
+    assert len(lines) == 2, lines
+    assert "step_1 (" in lines[0] and "written in the background while training went on)" in lines[0]
+    assert "step_2 (" in lines[1] and "background" not in lines[1]
+
+
 def test_a_failed_asynchronous_save_is_a_failed_save_at_the_next_save_or_wait(async_manager, monkeypatch):
     manager, release = async_manager
     release.set()

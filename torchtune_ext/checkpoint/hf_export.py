@@ -39,12 +39,14 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torchtune.models import convert_weights
 
-from torchtune_ext.checkpoint.discovery import MANIFEST, RECIPE_STATE
+from torchtune_ext.checkpoint.discovery import MANIFEST, RECIPE_STATE, list_checkpoints
 from torchtune_ext.checkpoint.lora_export import adapter_config, arrange_lora_folder
 from torchtune_ext.checkpoint.resume_state import load_recipe_state
 from torchtune_ext.checkpoint.sharded import is_adapter_key, is_sharded, read_full_tensors, saved_tensors
 from torchtune_ext.config import import_component, lora_settings
 from torchtune_ext.errors import UserError
+from torchtune_ext.text import short
+from torchtune_ext.tokenizer import training_chat_template, write_chat_template
 
 INDEX = "model.safetensors.index.json"
 # What the HF checkpointer does not copy from the base folder: weights and their indexes (torchtune's list),
@@ -246,38 +248,132 @@ def _write_adapter(out: Path, adapter: Dict[str, torch.Tensor], cfg_model: Any, 
     return sorted(p.relative_to(out).as_posix() for p in (out / "adapter").rglob("*") if p.is_file())
 
 
+# Inside the staging folder ``<OUT>.partial`` while this tool writes it: only a folder holding it was made by an
+# export (an interrupted one) and may be removed; any other folder of that name is the user's and is kept.
+EXPORT_MARKER = ".export-in-progress"
+
+
 def export_step(step_folder: Path, out: Path) -> List[str]:
     """The Hugging Face folder of a sharded checkpoint, written to ``out`` in this process.
 
-    The base checkpoint, model type and LoRA settings are the run's (its
-    ``recipe_state.pt``); ``out`` is written as ``<out>.partial`` and renamed
-    when complete. Returns the names written.
+    The base checkpoint, model type, LoRA settings and training's chat
+    template are the run's (its ``recipe_state.pt``); relative paths in its
+    config are taken from the folder training ran in. ``out`` is written as
+    ``<out>.partial`` (with :data:`EXPORT_MARKER` inside) and renamed when
+    complete; its files are readable as a checkpoint's (:func:`make_readable`).
+    Returns the names written.
 
     Raises:
-        UserError: ``step_folder`` is no complete sharded checkpoint, its run's
-            base checkpoint folder is gone, or ``out`` exists and is not empty.
+        UserError: ``step_folder`` is no complete sharded checkpoint (missing,
+            a run folder), its run's base checkpoint folder is gone, ``out``
+            exists and is not empty, or ``<out>.partial`` is a folder this tool
+            did not make. Nothing is written then.
     """
-    step_folder, out = Path(step_folder), Path(out)
+    from torchtune_ext.checkpoint.writer import make_readable  # the writer's rule, for the same files
+
+    step_folder, out = Path(step_folder).absolute(), Path(out).absolute()
     if not is_sharded(step_folder):
-        raise UserError(f"'{step_folder}' is not a sharded checkpoint (no dcp/.metadata): give a step_<N> folder of a "
-                        "run with sharded_checkpoints: true; a gathered checkpoint is a Hugging Face folder already")
+        raise UserError(_not_sharded(step_folder))
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"'{out}' exists and is not an empty folder: nothing is overwritten; give a new folder")
-    config = load_recipe_state(step_folder).config  # verifies the manifest first
+    partial = out.with_name(out.name + ".partial")
+    if partial.exists() and not (partial / EXPORT_MARKER).is_file():
+        raise UserError(f"'{partial}' exists and was not made by this export (no {EXPORT_MARKER} in it): the export "
+                        "stages its files there; move or delete it, or give another OUT")
+    state = load_recipe_state(step_folder)  # verifies the manifest first
+    config = state.config
     if not config or "checkpointer" not in config:
         raise UserError(f"'{step_folder / RECIPE_STATE}' holds no run config: it cannot say which base checkpoint "
                         "and model type the shards belong to")
-    checkpointer = config["checkpointer"]
-    if not (Path(str(checkpointer["checkpoint_dir"])) / "config.json").is_file():
-        raise UserError(f"the run's base checkpoint folder '{checkpointer['checkpoint_dir']}' (its config.json and "
-                        "tokenizer files go into the export) is gone: restore it there")
+    checkpointer = dict(config["checkpointer"])
+    run_dir = _run_dir(step_folder, config, state.run_dir, str(checkpointer["checkpoint_dir"]))
+    checkpointer["checkpoint_dir"] = str(run_dir / str(checkpointer["checkpoint_dir"]))  # absolute stays absolute
+    template = _training_chat_template(config, run_dir)
     lora = any(is_adapter_key(k) for k in saved_tensors(step_folder))
-    partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
+    if partial.exists():
+        shutil.rmtree(partial)  # an interrupted export's (it holds the marker)
     partial.mkdir(parents=True)
+    (partial / EXPORT_MARKER).touch()
     written = export_hf(step_folder, partial, OmegaConf.create(checkpointer), OmegaConf.create(config["model"]),
                         adapter_only=lora and bool(config.get("save_adapter_weights_only", False)))
+    # The base folder's tokenizer files were copied: carry training's chat template instead, as a gathered
+    # save and a run's final export do (CheckpointManager._save_chat_template)
+    if template:
+        write_chat_template(partial, template)
+    # safetensors writes owner-only files; a checkpoint is for others to load too (the writer does the same)
+    make_readable(partial)
+    (partial / EXPORT_MARKER).unlink()
     if out.exists():
         out.rmdir()  # empty: checked above
     os.replace(partial, out)
     return written
+
+
+def _not_sharded(step_folder: Path) -> str:
+    """Why ``step_folder`` cannot be exported, and which folders can: a missing step, a run folder, other."""
+    def sharded_in(folder: Path) -> List[str]:
+        try:
+            return [p.name for p in list_checkpoints(str(folder)) if is_sharded(p)]
+        except (UserError, OSError):
+            return []
+
+    if not step_folder.exists():
+        parent = step_folder.parent
+        if not parent.is_dir():
+            return f"'{step_folder}' does not exist, nor does '{parent}': give a step_<N> folder of a run's output_dir"
+        names = sharded_in(parent)
+        found = ", ".join(names) if names else "none"
+        return f"'{step_folder}' does not exist; sharded checkpoints in '{parent}': {found}"
+    names = sharded_in(step_folder) if step_folder.is_dir() else []
+    if names:
+        return (f"'{step_folder}' is a run's output_dir, not one checkpoint: pass one of its sharded checkpoints "
+                f"(oldest first: {', '.join(names)}), e.g. '{step_folder / names[-1]}', the newest")
+    return (f"'{step_folder}' is not a sharded checkpoint (no dcp/.metadata): give a step_<N> folder of a "
+            "run with sharded_checkpoints: true; a gathered checkpoint is a Hugging Face folder already")
+
+
+def _run_dir(step_folder: Path, config: Dict[str, Any], recorded: Optional[str], checkpoint_dir: str) -> Path:
+    """The folder training ran in, against which the run config's relative paths are taken.
+
+    The first of: the one ``recipe_state.pt`` records (checkpoints of later
+    versions), the one ``output_dir`` gives (the step folder's parent less
+    ``output_dir``'s own parts, when they match), and the current one, that
+    holds the base checkpoint (``checkpoint_dir/config.json``; an absolute
+    one: the first, for the tokenizer's relative paths).
+
+    Raises:
+        UserError: none holds it (one line: what was tried, what to do).
+    """
+    candidates = [Path(recorded)] if recorded else []
+    output_dir = Path(str(config.get("output_dir", "")))
+    run_folder = step_folder.parent
+    if str(output_dir) not in ("", ".") and not output_dir.is_absolute():
+        if run_folder.parts[-len(output_dir.parts):] == output_dir.parts:
+            candidates.append(Path(*run_folder.parts[:-len(output_dir.parts)]))
+    candidates.append(Path.cwd())
+    for candidate in candidates:
+        if (candidate / checkpoint_dir / "config.json").is_file():
+            return candidate
+    if Path(checkpoint_dir).is_absolute():
+        raise UserError(f"the run's base checkpoint folder '{checkpoint_dir}' (its config.json and tokenizer files "
+                        "go into the export) is gone: restore it there")
+    tried = ", ".join(f"'{c}'" for c in dict.fromkeys(candidates))
+    raise UserError(f"the run's base checkpoint folder '{checkpoint_dir}' is relative to the directory training ran "
+                    f"in, and no config.json is under it in {tried}: run the export from that directory, or restore "
+                    "the base checkpoint folder there")
+
+
+def _training_chat_template(config: Dict[str, Any], run_dir: Path) -> Optional[str]:
+    """Training's chat template (:func:`training_chat_template`), its tokenizer built in the folder training ran in.
+
+    Raises:
+        UserError: the tokenizer cannot be built (its files are gone).
+    """
+    import contextlib
+
+    try:
+        with contextlib.chdir(run_dir):  # the tokenizer's relative paths are the run's
+            return training_chat_template(config)
+    except Exception as err:
+        raise UserError(f"the run's tokenizer (config key 'tokenizer', in '{run_dir}') cannot be built to write "
+                        f"training's chat template into the export ({short(err)}): restore its files there") from err

@@ -29,6 +29,8 @@ class ResumeState:
         config (dict or None): the resolved config of the run that wrote it
             (None in checkpoints of earlier versions).
         path (Path or None): the checkpoint folder it was read from, for messages.
+        run_dir (str or None): the working directory of the run that wrote it, against which its
+            config's relative paths are taken (None in checkpoints of earlier versions).
         sharded (bool): a sharded checkpoint: the model and optimizer state are
             in its ``dcp/`` shards (:mod:`torchtune_ext.checkpoint.sharded`),
             and ``optimizer`` is None.
@@ -44,6 +46,7 @@ class ResumeState:
     config: Optional[Dict[str, Any]] = None
     path: Optional[Path] = None
     sharded: bool = False
+    run_dir: Optional[str] = None
 
     @property
     def saved_total_steps(self) -> int:
@@ -91,6 +94,7 @@ def load_recipe_state(path: Path) -> ResumeState:
             config=state.get("config"),
             path=path,
             sharded=state.get("format") == SHARDED_FORMAT,
+            run_dir=state.get("run_dir"),
         )
     except Exception as err:
         raise ConfigError("resume_from_checkpoint", f"'{path / RECIPE_STATE}' cannot be read ({short(err)})."

@@ -136,6 +136,9 @@ class CheckpointManager:
         self._cfg = cfg_checkpointer
         self._checkpointer = None
         self._run_config = OmegaConf.to_container(run_config, resolve=True) if run_config is not None else None
+        # The config's relative paths (the base checkpoint, the tokenizer) are relative to this folder: an export
+        # on request run from elsewhere reads them from here (hf_export.export_step)
+        self._run_dir = os.getcwd()
         self._dp_world_size = dp_world_size
         self._hash_files = hash_files
         self._chat_template: Optional[str] = None  # what training's tokenizer writes; "" if nothing to save
@@ -431,7 +434,7 @@ class CheckpointManager:
             except BaseException as err:  # a failure to start: DCP reports it on every rank
                 upload = _failed_future(err)
             self._pending = self._executor.submit(self._finish_sharded, final, written, upload, None, needed,
-                                                  suspect_from, start)
+                                                  suspect_from, start, asynchronous=True)
             return final
         try:
             dcp.save(state, checkpoint_id=str(written / DCP_DIR))
@@ -470,6 +473,7 @@ class CheckpointManager:
             "rng_by_rank": [rng_state()] if rng_by_rank is None else rng_by_rank,
             "dp_world_size": self._dp_world_size,
             "config": self._run_config,
+            "run_dir": self._run_dir,
         }
 
     def _prepare_staging(self, final: Path, written: Path, needed: int, recipe_state: Dict[str, Any]) -> None:
@@ -535,9 +539,10 @@ class CheckpointManager:
 
     def _finish_sharded(self, final: Path, written: Path, upload: Optional[Future],
                         export: Optional[Callable[[Path, int, int], List[str]]], needed: int,
-                        suspect_from: Optional[int], start: float) -> None:
+                        suspect_from: Optional[int], start: float, asynchronous: bool = False) -> None:
         """After the shards are written (``upload`` done): the export, each rank's hashes, then rank 0's
-        manifest, rename and pruning; every rank raises the same error if any rank failed."""
+        manifest, rename and pruning; every rank raises the same error if any rank failed.
+        ``asynchronous``: in the save's thread, while training goes on (its log line says so)."""
         group, rank = self._group, ranks.rank()
         failure = None
         if upload is not None:
@@ -559,7 +564,8 @@ class CheckpointManager:
         failure = None
         if rank == 0:
             hashed = {name: entry for _, theirs in everyone for name, entry in theirs.items()}
-            failure = self._capture(final, lambda: self._complete(final, written, hashed, start, suspect_from))
+            failure = self._capture(final, lambda: self._complete(final, written, hashed, start, suspect_from,
+                                                                  asynchronous=asynchronous))
         self._raise_agreed(final, [_from_rank_zero(failure, group)], needed, group)
 
     def _hashes(self, folder: Path, names: Iterable[str]) -> Dict[str, Tuple[int, Optional[str]]]:
@@ -568,8 +574,12 @@ class CheckpointManager:
                 for name in names}
 
     def _complete(self, final: Path, written: Path, hashed: Dict[str, Tuple[int, Optional[str]]], start: float,
-                  suspect_from: Optional[int]) -> None:
-        """Rank 0: hash what no rank hashed (its small files, ``.metadata``), write the manifest, rename into place."""
+                  suspect_from: Optional[int], asynchronous: bool = False) -> None:
+        """Rank 0: hash what no rank hashed (its small files, ``.metadata``), write the manifest, rename into place.
+
+        ``asynchronous``: the log line says the checkpoint was written in the background (training went on
+        meanwhile, so its time is not a pause of training, and the line comes some steps after the save's step).
+        """
         make_readable(written)
         names = [p.relative_to(written).as_posix() for p in sorted(written.rglob("*")) if p.is_file()]
         hashed.update(self._hashes(written, [n for n in names if n not in hashed and n != MANIFEST]))
@@ -581,8 +591,9 @@ class CheckpointManager:
         os.replace(written, final)
         shutil.rmtree(self.staging, ignore_errors=True)
         _fsync_dir(self.output_dir)
+        background = ", written in the background while training went on" if asynchronous else ""
         log.info(f"Checkpoint saved: {final} ({format_bytes(sum(files.values()))} in "
-                 f"{time.perf_counter() - start:.1f} s, sharded over {ranks.process_group_size()} ranks)")
+                 f"{time.perf_counter() - start:.1f} s, sharded over {ranks.process_group_size()} ranks{background})")
         self._prune(keep=final, suspect_from=suspect_from)
 
     def _clear_way(self, final: Path) -> None:
@@ -824,16 +835,20 @@ def _existing_parent(path: Path) -> Path:
 
 
 def make_readable(folder: Path) -> None:
-    """Give every file under ``folder`` the permissions of a newly created file (0666 less the umask).
+    """Give every file under ``folder`` the permissions of a newly created file (0666 less the umask), and
+    ``folder`` and the folders under it those of a newly created folder (0777 less the umask).
 
-    Some writers (safetensors, temporary files) create files readable only by
-    their owner; a checkpoint is for others to load too.
+    Some writers (safetensors, temporary files and folders) create them
+    readable only by their owner; a checkpoint is for others to load too.
     """
     umask = os.umask(0)
     os.umask(umask)
+    folder.chmod(0o777 & ~umask)
     for path in folder.rglob("*"):
         if path.is_file():
             path.chmod(0o666 & ~umask)
+        elif path.is_dir() and not path.is_symlink():
+            path.chmod(0o777 & ~umask)
 
 
 def _write_synced(path: Path, text: str) -> None:

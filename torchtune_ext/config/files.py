@@ -148,7 +148,8 @@ def check_output_dir(path: str, key: str = "output_dir") -> None:
         ConfigError: naming ``key``, if it is a file, lies under a file, or is not writable.
     """
     if os.path.exists(path) and not os.path.isdir(path):
-        raise ConfigError(key, f"'{path}' exists and is not a directory")
+        raise ConfigError(key, f"'{path}' exists and is not a directory: choose a folder path for {key} "
+                               "(a new one, or a run's folder)")
     probe = path
     while not os.path.exists(probe):
         parent = os.path.dirname(os.path.abspath(probe))

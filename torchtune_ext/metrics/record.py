@@ -25,6 +25,7 @@ def step_record(
     flops: Optional[ModelFlops] = None,
     peak_tflops: Optional[float] = None,
     log_peak_memory: bool = True,
+    distributed: bool = False,
 ) -> Dict[str, Any]:
     """The metrics of one optimizer step, as logged by every recipe.
 
@@ -45,7 +46,8 @@ def step_record(
     ``data_wait_fraction`` and ``rank_wait_fraction`` (the shares of the
     step's wall time, data loading included, spent loading its samples and
     waiting for the other ranks: :func:`torchtune_ext.step.waiting_shares`), and with
-    ``dp_world_size > 1`` also ``dp_world_size`` and ``tokens_per_second_per_device``
+    ``distributed`` (a distributed recipe's run, 1 rank included) or ``dp_world_size > 1`` also
+    ``dp_world_size`` and ``tokens_per_second_per_device``
     (over all ``dp_world_size x tp_world_size`` devices); with ``tp_world_size > 1``
     (tensor parallelism) also ``tp_world_size``.
 
@@ -89,7 +91,8 @@ def step_record(
             if peak_tflops:
                 record["mfu"] = record["tflops_per_device"] / peak_tflops
                 record["useful_mfu"] = record["useful_tflops_per_device"] / peak_tflops
-    if dp_world_size * tp_world_size > 1:
+    # every record of a distributed recipe has them, 1 rank included: a run resumed 2 ranks -> 1 keeps its keys
+    if distributed or dp_world_size * tp_world_size > 1:
         record["dp_world_size"] = dp_world_size
         record["tokens_per_second_per_device"] = record["tokens_per_second"] / (dp_world_size * tp_world_size)
     if tp_world_size > 1:

@@ -35,6 +35,8 @@ class StepReporter:
             :func:`torchtune_ext.flops.peak_tflops_per_device` (measured on
             rank 0 only; an unknown GPU means no ``mfu``, with one warning).
         log_peak_memory (bool): the ``log_peak_memory_stats`` key.
+        distributed (bool): a distributed recipe's run: its records have the
+            distributed keys at any world size (:func:`step_record`).
         profiler: started here, stepped after every optimizer step and stopped
             by :meth:`close` (``torchtune_ext.runtime.build_profiler``); None: no profiler.
     """
@@ -43,13 +45,13 @@ class StepReporter:
                  log_every_n_steps: int = 1, dp_world_size: int = 1, tp_world_size: int = 1, rank: int = 0,
                  model: Optional[torch.nn.Module] = None, dtype: Optional[torch.dtype] = None,
                  peak_tflops_per_device: Optional[float] = None, log_peak_memory: bool = True,
-                 profiler: Optional[Any] = None):
+                 profiler: Optional[Any] = None, distributed: bool = False):
         from tqdm import tqdm
         from tqdm.contrib.logging import logging_redirect_tqdm
 
         self._logger, self._device = logger, device
         self._log_every, self._dp_world_size, self._tp_world_size = log_every_n_steps, dp_world_size, tp_world_size
-        self._log_peak_memory, self._profiler = log_peak_memory, profiler
+        self._log_peak_memory, self._profiler, self._distributed = log_peak_memory, profiler, distributed
         if profiler is not None:
             profiler.start()
         self._timer = StepTimer(device)
@@ -79,7 +81,7 @@ class StepReporter:
                              device=self._device, dp_world_size=self._dp_world_size,
                              tp_world_size=self._tp_world_size, skipped_steps=skipped_steps,
                              tokens_seen=tokens_seen, data=data, flops=self._flops, peak_tflops=self._peak,
-                             log_peak_memory=self._log_peak_memory)
+                             log_peak_memory=self._log_peak_memory, distributed=self._distributed)
         if self._profiler is not None:
             self._profiler.step()
         if step % self._log_every == 0:
