@@ -333,7 +333,7 @@ def test_a_gathered_save_silences_exactly_torchs_strided_shard_remark(caplog):
     from torch.distributed.tensor import Replicate, Shard, _redistribute
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from torchtune_ext.loop import quiet_strided_gather
+    from torchtune_ext.distributed import quiet_strided_gather
 
     remark = getattr(_redistribute, "_warn_flatten_optimization_not_possible", None)
     if remark is None:

@@ -32,11 +32,15 @@ writes; a load splits them again for whatever mesh the resumed run has, so a
 tensor-parallel run resumes on data parallelism alone and back.
 """
 
+import contextlib
+import logging
 import random
+import re
+import warnings
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from math import gcd
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -521,14 +525,42 @@ def load_full_model_state_dict(
     return _IncompatibleKeys(list(keys.missing_keys), list(keys.unexpected_keys) + unexpected)
 
 
+# What torch's DTensor says, on every rank, when a gathered save makes a parameter sharded by FSDP2 over a
+# tensor-parallel split (placements _StridedShard, Shard) whole: the gather takes one all-gather per mesh
+# dimension, "This is suboptimal". It is about speed only (once per save, not per step) and the gathered tensor
+# is exact, so the line only alarms. torch 2.13 logs it (torch.distributed.tensor._redistribute); a
+# warnings.warn of the same text is silenced too.
+_STRIDED_GATHER = re.compile(r"(?s).*_StridedShard.*This is suboptimal")
+_REDISTRIBUTE_LOGGER = "torch.distributed.tensor._redistribute"
+
+
+def _not_strided_gather_remark(record: logging.LogRecord) -> bool:
+    return not _STRIDED_GATHER.match(record.getMessage())
+
+
+@contextlib.contextmanager
+def quiet_strided_gather() -> Iterator[None]:
+    """Silence exactly torch's "_StridedShard ... This is suboptimal" remark (see above) while gathering."""
+    logger = logging.getLogger(_REDISTRIBUTE_LOGGER)
+    logger.addFilter(_not_strided_gather_remark)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_STRIDED_GATHER.pattern)
+            yield
+    finally:
+        logger.removeFilter(_not_strided_gather_remark)
+
+
 def gather_full_model_state_dict(model: nn.Module, device: torch.device) -> Dict[str, torch.Tensor]:
     """All ranks gather; rank 0 gets the full state dict on CPU, other ranks ``{}``."""
-    return training.gather_cpu_state_dict(model, is_rank_zero=ranks.is_rank_zero(), device=device)
+    with quiet_strided_gather():
+        return training.gather_cpu_state_dict(model, is_rank_zero=ranks.is_rank_zero(), device=device)
 
 
 def gather_full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
     """All ranks gather; rank 0 gets the unsharded optimizer state (keyed by parameter name), others ``{}``."""
-    return training.get_full_optimizer_state_dict(model, optimizer, is_rank_zero=ranks.is_rank_zero())
+    with quiet_strided_gather():  # the moments are sharded as their parameters
+        return training.get_full_optimizer_state_dict(model, optimizer, is_rank_zero=ranks.is_rank_zero())
 
 
 def load_full_optimizer_state_dict(

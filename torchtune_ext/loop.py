@@ -22,13 +22,9 @@ micro-batches and ranks, divide a summed loss once) is
 :func:`torchtune_ext.step.train_step`; this module only calls it once per step.
 """
 
-import contextlib
-import logging
-import re
-import warnings
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Type
+from typing import Any, Callable, Dict, Iterable, Optional, Type
 
 import torch
 from omegaconf import DictConfig
@@ -64,32 +60,6 @@ from torchtune_ext.runtime import build_profiler, keep_freed_cpu_memory, set_log
 from torchtune_ext.step import StepHealth, build_lr_scheduler, train_step
 
 log = utils.get_logger("INFO")
-
-# What torch's DTensor says, on every rank, when a gathered save makes a parameter sharded by FSDP2 over a
-# tensor-parallel split (placements _StridedShard, Shard) whole: the gather takes one all-gather per mesh
-# dimension, "This is suboptimal". It is about speed only (once per save, not per step) and the gathered tensor
-# is exact, so the line only alarms. torch 2.13 logs it (torch.distributed.tensor._redistribute); a
-# warnings.warn of the same text is silenced too.
-_STRIDED_GATHER = re.compile(r"(?s).*_StridedShard.*This is suboptimal")
-_REDISTRIBUTE_LOGGER = "torch.distributed.tensor._redistribute"
-
-
-def _not_strided_gather_remark(record: logging.LogRecord) -> bool:
-    return not _STRIDED_GATHER.match(record.getMessage())
-
-
-@contextlib.contextmanager
-def quiet_strided_gather() -> Iterator[None]:
-    """Silence exactly torch's "_StridedShard ... This is suboptimal" remark (see above) while gathering."""
-    logger = logging.getLogger(_REDISTRIBUTE_LOGGER)
-    logger.addFilter(_not_strided_gather_remark)
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=_STRIDED_GATHER.pattern)
-            yield
-    finally:
-        logger.removeFilter(_not_strided_gather_remark)
-
 
 class TrainingRun:
     """One fine-tuning run's shared state and loop; a recipe holds one and adds its model.
@@ -315,8 +285,7 @@ class TrainingRun:
     def full_model_state(self) -> Dict[str, torch.Tensor]:
         """The model's whole state dict on CPU: gathered from every rank onto rank 0 (others get ``{}``)."""
         if self.distributed:  # every rank takes part in gathering
-            with quiet_strided_gather():
-                return parallel.gather_full_model_state_dict(self.model, self.device)
+            return parallel.gather_full_model_state_dict(self.model, self.device)
         return self.model.state_dict()
 
     def save(self, state: Dict[str, Any], *, adapter_only: bool = False) -> Path:
@@ -326,8 +295,7 @@ class TrainingRun:
         FSDP2 every rank takes part and rank 0 writes. Returns the step folder.
         """
         if self.distributed:
-            with quiet_strided_gather():  # the optimizer's moments are sharded as their parameters
-                optimizer_state = parallel.gather_full_optimizer_state_dict(self.model, self.optimizer)
+            optimizer_state = parallel.gather_full_optimizer_state_dict(self.model, self.optimizer)
             rng_by_rank = parallel.gather_rng_states()
         else:
             optimizer_state, rng_by_rank = self.optimizer.state_dict(), None
