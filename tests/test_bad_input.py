@@ -237,6 +237,39 @@ def test_resume_refuses_a_later_folder_without_manifest(tiny_run, caplog):
     assert "step_1' has no checkpoint.json" in caplog.text
 
 
+def test_resume_auto_continues_when_a_checkpoint_exists_and_starts_the_run_when_none_does(tiny_run, monkeypatch):
+    """``resume_from_checkpoint: auto`` (for scheduler requeues and torchrun restarts, which run one command
+    line from the first start on): a new run in an empty folder; the newest complete checkpoint once there
+    is one; step folders that are no complete checkpoint are refused with what to do, for a new run too."""
+    cfg = OmegaConf.load(tiny_run())
+    out = Path(cfg.output_dir)
+    cfg.resume_from_checkpoint = "auto"
+    auto = validate(cfg)
+    check_resume_point(auto)
+    assert auto.resume_from_checkpoint is False
+    (out / "step_1").mkdir(parents=True)
+    for resume in ("auto", False):
+        cfg.resume_from_checkpoint = resume
+        with pytest.raises(ConfigError, match="'output_dir'.*holds step_<N> folders without checkpoint.json.*move "
+                                              "them out of it or choose another output_dir"):
+            check_resume_point(validate(cfg))
+    (out / "step_2").mkdir()
+    (out / "step_2" / "checkpoint.json").write_text(json.dumps({"step": 2, "files": {}}))
+    cfg.resume_from_checkpoint = "auto"
+    auto = validate(cfg)
+    check_resume_point(auto)
+    assert auto.resume_from_checkpoint is True
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    cfg.resume_from_checkpoint = False  # a restart of a job started without auto
+    with pytest.raises(ConfigError, match="already holds checkpoints of a run; .*; this is torchrun's restart 1 of 3: "
+                                          "launch with resume_from_checkpoint=auto"):
+        check_resume_point(validate(cfg))
+    cfg.resume_from_checkpoint = "yes"
+    with pytest.raises(ConfigError, match="'resume_from_checkpoint'.*expected true, false or auto, got 'yes'"):
+        validate(cfg)
+
+
 # ------------------------------------------------------------------------- data
 def records(tmp_path, rows, name="data.json"):
     path = tmp_path / name

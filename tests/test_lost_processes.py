@@ -16,7 +16,7 @@ import pytest
 from omegaconf import OmegaConf
 
 import resume_jobs
-from helpers import REPO_ROOT
+from helpers import REPO_ROOT, read_jsonl
 from torchtune_ext.checkpoint import incomplete_checkpoints, list_checkpoints, verify_checkpoint
 from torchtune_ext.control.exits import STOP_OTHERS_SIGNAL
 from torchtune_ext.control.run_lock import holder
@@ -148,6 +148,37 @@ def test_a_killed_worker_ends_the_job_with_one_line_naming_the_checkpoint(setup_
         f"checkpoint is intact: {checkpoint}. Continue with: tune run --nproc_per_node 2 {RECIPE} --config {config} "
         f"resume_from_checkpoint=true  (exit status 137)")
     assert holder(str(out)) is None
+
+
+@pytest.mark.slow
+def test_torchrun_restarts_a_killed_worker_and_the_job_continues_exactly(setup_yaml, tmp_path):
+    """Issue 31 (torchrun elastic): ``--max-restarts 1`` and ``resume_from_checkpoint=auto``. Rank 1 of the
+    first attempt dies by SIGKILL after step 3 (tests/elastic_recipe.py); torchrun starts both workers again
+    with the same command line, they continue from step_2, and the job ends with status 0 and, at every step,
+    the loss and gradient norm of one uninterrupted rank on the same global batch (<= 1e-5)."""
+    out = tmp_path / "out"
+    config = tmp_path / "run.yaml"
+    OmegaConf.save(resume_jobs.config(setup_yaml, "full_dist", out, "save_every_n_steps=2",
+                                      "resume_from_checkpoint=auto"), config)
+    done = subprocess.run(["tune", "run", "--nproc_per_node", "2", "--max-restarts", "1", "tests/elastic_recipe.py",
+                           "--config", str(config)], cwd=REPO_ROOT, env=resume_jobs.subprocess_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    text = done.stdout + done.stderr
+    assert "no complete checkpoint in output_dir yet, so a new run" in text  # the first attempt
+    assert f"Resuming from {out / 'step_2'} (step 2)" in text  # the restarted one
+    steps = [r["step"] for r in read_jsonl(out / "logs" / "metrics.jsonl") if "loss" in r]
+    assert steps[:2] == [1, 2] and steps[-4:] == [3, 4, 5, 6] and len(steps) <= 7  # step 3 again after the restart
+    assert holder(str(out)) is None
+
+    reference = resume_jobs.config(setup_yaml, "full_dist", tmp_path / "ref", "gradient_accumulation_steps=4")
+    assert resume_jobs.run("full_dist", reference) == 0
+    got, want = resume_jobs.by_step(out), resume_jobs.by_step(tmp_path / "ref")
+    assert sorted(got) == sorted(want) == [1, 2, 3, 4, 5, 6]
+    for step in want:
+        for field in ("loss", "grad_norm"):
+            assert got[step][field] == pytest.approx(want[step][field], rel=1e-5), (step, field)
+        assert got[step]["num_tokens"] == want[step]["num_tokens"]
 
 
 # ------------------------------------------------------------ the launcher's part

@@ -34,10 +34,12 @@ tensor-parallel run resumes on data parallelism alone and back.
 
 import contextlib
 import logging
+import os
 import random
 import re
 import warnings
 from dataclasses import dataclass
+from datetime import timedelta
 from fnmatch import fnmatchcase
 from math import gcd
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
@@ -82,10 +84,33 @@ def init_process_group(device: torch.device, cpu_offload: bool = False) -> Tuple
     backend = training.get_distributed_backend(device.type, offload_ops_to_cpu=cpu_offload and device.type != "cpu")
     if not ranks.in_process_group():
         if ranks.launched_by_torchrun():
-            dist.init_process_group(backend)
+            store = _restarted_workers_store()
+            if store is None:
+                dist.init_process_group(backend)
+            else:
+                dist.init_process_group(backend, store=store, rank=ranks.rank(), world_size=ranks.world_size())
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return ranks.rank(), ranks.process_group_size()
+
+
+def _restarted_workers_store() -> Optional[dist.Store]:
+    """The store of workers that torchrun started again (``--max-restarts``), with keys of their own; else None.
+
+    torchrun (torch >= 2.5) hands every attempt of a job the same TCP store
+    (its agent's), and the process group keeps the same keys in it, so a
+    restarted rank can read a dead rank's address from the attempt before
+    and wait on it forever (seen here with gloo: both ranks hung in
+    ``connectFullMesh``; pytorch/pytorch#135712 for nccl). Prefixing the keys
+    with the restart count, which every agent of a job counts alike, gives
+    each attempt a clean namespace in the same store.
+    """
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or restart in ("", "0"):
+        return None
+    agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), ranks.world_size(),
+                                is_master=False, timeout=timedelta(minutes=30))  # torch's default for the group
+    return dist.PrefixStore(f"torchtune_ext/restart_{restart}", agent_store)
 
 
 # ----------------------------------------------------------------- the mesh

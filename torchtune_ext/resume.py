@@ -39,6 +39,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torchtune.utils import get_logger
 
+from torchtune_ext import ranks
 from torchtune_ext.checkpoint import ResumeState, incomplete_checkpoints, latest_checkpoint, verify_checkpoint
 from torchtune_ext.config import lora_settings
 from torchtune_ext.errors import ConfigError
@@ -156,7 +157,21 @@ def check_resume_point(cfg: DictConfig) -> None:
             ``output_dir``) a later ``step_<N>`` folder without a manifest, which
             a save of this run would collide with; a new run in a folder that
             holds checkpoints of a run; a folder that cannot be read.
+
+    ``resume_from_checkpoint: auto`` becomes true here when ``output_dir``
+    holds a complete checkpoint and false when it holds none, so a job that a
+    scheduler requeues or torchrun restarts (``--max-restarts``) runs one
+    command from its first start on. Every rank reads the same folder before
+    any of them writes to it, so they agree.
     """
+    restart = _torchrun_restart()
+    if restart and ranks.is_rank_zero():
+        log.warning("%s after a worker failed; the recipe starts again from the top", restart)
+    if cfg.resume_from_checkpoint == "auto":
+        cfg.resume_from_checkpoint = latest_checkpoint(cfg.output_dir) is not None
+        if ranks.is_rank_zero():
+            log.info("resume_from_checkpoint=auto: %s", "continuing from the newest checkpoint in output_dir"
+                     if cfg.resume_from_checkpoint else "no complete checkpoint in output_dir yet, so a new run")
     if cfg.resume_from_checkpoint:
         latest = latest_checkpoint(cfg.output_dir)
         if latest is None:
@@ -173,11 +188,25 @@ def check_resume_point(cfg: DictConfig) -> None:
             log.warning("'%s' has no checkpoint.json: not a complete checkpoint, ignored.", folder)
         verify_checkpoint(latest, content=cfg.verify_checkpoint_hashes)  # before anything loads from it
     elif any(name.startswith("step_") for name in _listdir(cfg.output_dir)):
+        if latest_checkpoint(cfg.output_dir) is None:
+            raise ConfigError("output_dir", f"'{cfg.output_dir}' holds step_<N> folders without checkpoint.json "
+                              "(saves that did not finish): no run can continue from them and a new run would "
+                              "save over them; move them out of it or choose another output_dir")
         raise ConfigError(
             "output_dir",
             f"'{cfg.output_dir}' already holds checkpoints of a run; set resume_from_checkpoint=true to "
-            "continue it, or choose another output_dir (nothing is overwritten)",
+            "continue it, or choose another output_dir (nothing is overwritten)"
+            + (f"; this is {restart}: launch with resume_from_checkpoint=auto so that restarted workers "
+               "continue from the newest checkpoint" if restart else ""),
         )
+
+
+def _torchrun_restart() -> str:
+    """'torchrun's restart 1 of 3' when torchrun started this job's workers again (``--max-restarts``), else ''."""
+    count = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if not count.isdigit() or int(count) == 0:
+        return ""
+    return f"torchrun's restart {count} of {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')}"
 
 
 def _listdir(path: str):

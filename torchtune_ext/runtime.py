@@ -29,8 +29,6 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from torchtune_ext.models import decoder_layer_classes, is_hf_model
-
 
 def wrap_model(model: nn.Module, *, checkpointing: bool, offloading: bool, compile: bool) -> None:
     """Activation checkpointing per decoder layer, offloading and compiling, as the config keys ask.
@@ -45,6 +43,8 @@ def wrap_model(model: nn.Module, *, checkpointing: bool, offloading: bool, compi
     Call before FSDP sharding.
     """
     from torchtune import training
+
+    from torchtune_ext.models import decoder_layer_classes  # in here: importing runtime stays torch only
 
     if checkpointing:
         training.set_activation_checkpointing(model, auto_wrap_policy=set(decoder_layer_classes(model)))
@@ -171,6 +171,8 @@ def _tied_token_embedding(model: nn.Module) -> Optional[nn.Module]:
     transformers (:func:`torchtune_ext.hf.causal_lm`): ``lm_head`` (an
     ``nn.Linear``) holds the input embedding's weight itself (``tie_word_embeddings``).
     """
+    from torchtune_ext.models import is_hf_model  # in here, as torchtune: the allocator settings need torch only
+
     if is_hf_model(model):
         embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
         tied = type(head) is nn.Linear and embedding is not None and head.weight is embedding.weight

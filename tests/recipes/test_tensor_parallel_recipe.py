@@ -178,15 +178,11 @@ def test_sigterm_to_every_process_of_a_two_node_tensor_parallel_job_saves(smollm
     assert saved.name == f"step_{read_jsonl(metrics)[-1]['step']}"  # the last step logged is the one saved
 
 
-@pytest.mark.parametrize("launcher,overrides,words", [
-    ([], ["tensor_parallel_dim=2"], "config key 'tensor_parallel_dim': 2 does not divide the 1 rank"),
-    (["--nproc_per_node", "2"], ["tensor_parallel_dim=2", "model.num_kv_heads=1"],
-     "config key 'tensor_parallel_dim': 2 does not divide the model's num_kv_heads=1"),
-    (["--nproc_per_node", "2"], ["tensor_parallel_dim=2", "model._component_=torchtune.models.gemma.gemma_2b"],
-     "config key 'tensor_parallel_plan': torchtune.models.gemma.gemma_2b has no tensor-parallel plan"),
-])
-def test_bad_tensor_parallel_settings_stop_before_the_model_loads(smollm2_assets, tmp_path, launcher, overrides,
-                                                                   words):
+def test_bad_tensor_parallel_settings_stop_before_the_model_loads(smollm2_assets, tmp_path):
+    """Under torchrun, one line, exit 2, nothing written. The checks themselves, in one process: the ranks
+    (tests/test_upstream_keys.py), the head counts and a model without a plan (tests/test_tensor_parallel.py)."""
+    launcher, overrides = ["--nproc_per_node", "2"], ["tensor_parallel_dim=2", "model.num_kv_heads=1"]
+    words = "config key 'tensor_parallel_dim': 2 does not divide the model's num_kv_heads=1"
     out = tmp_path / "run"
     config = tmp_path / "bad.yaml"
     OmegaConf.save(tiny_alpaca16_config(CONFIG, {"_component_": "torchtune_ext.models.tiny_llama"}, smollm2_assets,

@@ -45,6 +45,12 @@ def boolean(key: str, value: Any) -> None:
         raise ConfigError(key, f"expected true or false, got {value!r}")
 
 
+def boolean_or_auto(key: str, value: Any) -> None:
+    """true, false or the string auto."""
+    if value != "auto" and not isinstance(value, bool):
+        raise ConfigError(key, f"expected true, false or auto, got {value!r}")
+
+
 def optional_boolean(key: str, value: Any) -> None:
     """null, true or false."""
     if value is not None:

@@ -14,6 +14,7 @@ from omegaconf import ListConfig
 
 from torchtune_ext.config.checkers import (
     boolean,
+    boolean_or_auto,
     component_node,
     one_of,
     optional_boolean,
@@ -218,8 +219,9 @@ COMMON_KEYS: Dict[str, Key] = {
         "Recompute each decoder layer's activations in backward instead of keeping them.")),
     "enable_activation_offloading": Key(False, boolean, doc=(
         "torchtune's activation offloading to CPU memory (CUDA only, with activation checkpointing, as upstream).")),
-    "resume_from_checkpoint": Key(False, boolean, doc=(
-        "Continue from the newest complete step_<N> checkpoint in output_dir (settings that changed are said).")),
+    "resume_from_checkpoint": Key(False, boolean_or_auto, doc=(
+        "Continue from the newest complete step_<N> checkpoint in output_dir (settings that changed are said); "
+        "auto: continue if output_dir has one, else start the run (scheduler requeues, torchrun restarts).")),
     "verify_checkpoint_hashes": Key(True, boolean, doc=(
         "Record each checkpoint file's SHA-256 at save and check it before a resume or an evaluation loads it "
         "(about 1.1 s per 1.5 GiB); false: sizes only.")),
