@@ -211,11 +211,12 @@ def in_repo(monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
 
 
+@pytest.mark.slow
 def test_exact_cases_pass_and_the_control_is_reported(tmp_path, in_repo):
     config = write_tiny_setup(tmp_path)
     out = tmp_path / "report"
-    # a subset keeps the test short: N=2 has 5 cases; bs2_ga1_each runs the same code as the reference
-    cases = ["bs1_ga2_once", "bs1_ga2_each", "control_bs1_ga2_mean_of_means"]
+    # a subset keeps the test short: N=2 has 5 cases (the backward modes agree: tests/test_backward_mode.py)
+    cases = ["bs1_ga2_once", "control_bs1_ga2_mean_of_means"]
     status = main(["--config", str(config), "--global-batch-size", "2", "--steps", "3",
                    "--output-dir", str(out), "--cases", ",".join(cases)])
     assert status == 0, (out / "report.md").read_text()
@@ -223,7 +224,7 @@ def test_exact_cases_pass_and_the_control_is_reported(tmp_path, in_repo):
     names = ["bs2_ga1_once", *cases]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["passed"] and [c["case"]["name"] for c in summary["cases"]] == names
-    assert [c["status"] for c in summary["cases"]] == ["reference", "PASS", "PASS", "control"]
+    assert [c["status"] for c in summary["cases"]] == ["reference", "PASS", "control"]
     control = summary["cases"][-1]
     assert control["loss_diff"] > 1e-3  # visibly off: the synthetic answers range from 1 to 40 words
 
@@ -276,6 +277,7 @@ if __name__ == "__main__":
 '''
 
 
+@pytest.mark.slow
 def test_a_broken_normalization_fails_the_report(tmp_path, in_repo, monkeypatch):
     config = write_tiny_setup(tmp_path)
     # tune run imports a recipe path as a module: broken_recipe.py -> broken_recipe, found on PYTHONPATH
@@ -309,6 +311,7 @@ DIST_RECIPE = REPO_ROOT / "recipes" / "full_finetune_distributed.py"
 
 
 @pytest.mark.skipif(not DIST_RECIPE.is_file(), reason=f"{DIST_RECIPE.name} is not in this checkout yet")
+@pytest.mark.slow
 def test_ranks_match_accumulation(tmp_path, in_repo):
     config = write_tiny_setup(tmp_path, metric_logger=False)
     out = tmp_path / "report"

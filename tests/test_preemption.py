@@ -13,6 +13,7 @@ import textwrap
 import time
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 import resume_jobs
@@ -54,7 +55,8 @@ def write_config(tiny, out):
     return path
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+# SIGINT (Ctrl-C) takes the same handler (GracefulStop, SCRIPT below); one recipe process per signal is not needed
+@pytest.mark.parametrize("signum", [signal.SIGTERM], ids=["SIGTERM"])
 @pytest.mark.slow
 def test_signal_saves_says_how_to_resume_and_resumes_exactly(tiny, tmp_path, signum):
     out = tmp_path / "out"
@@ -245,3 +247,24 @@ def test_every_nodes_launcher_learns_a_shared_status(tmp_path, monkeypatch, rank
     monkeypatch.setenv("LOCAL_RANK", local_rank)
     record_outcome(EXIT_STOPPED, every_node=every_node)
     assert (outcome.read_text() == f"{EXIT_STOPPED}\n") if written else not outcome.exists()
+
+
+def test_ctrl_c_asks_for_the_same_stop_as_sigterm(tmp_path, capfd, monkeypatch):
+    """SIGINT (Ctrl-C) takes GracefulStop's handler as SIGTERM does: a stop after the step, said with its name
+    (the end-to-end path: test_signal_saves_says_how_to_resume_and_resumes_exactly with SIGTERM)."""
+    from torchtune_ext.control import preemption
+
+    monkeypatch.setattr(preemption, "finish_wandb", lambda status: None)
+    monkeypatch.setattr(preemption, "record_outcome", lambda *args, **kwargs: None)
+    monkeypatch.setattr(preemption, "resume_command", lambda: "tune run x.py resume_from_checkpoint=true")
+    stop = preemption.GracefulStop(torch.device("cpu"))
+    try:
+        assert not stop.requested()
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.requested()
+        assert stop.stop(tmp_path / "step_3", 3) == EXIT_STOPPED
+    finally:
+        stop.close()
+    err = capfd.readouterr().err
+    assert "SIGINT received: stopping after the current optimizer step" in err
+    assert f"Stopped on SIGINT after optimizer step 3; checkpoint: {tmp_path / 'step_3'}" in err

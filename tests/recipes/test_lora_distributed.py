@@ -1,7 +1,6 @@
 """End to end: the FSDP2 LoRA recipe under `tune run --nproc_per_node 2` (gloo on CPU), on a tiny checkpoint."""
 
 import json
-import shutil
 
 import pytest
 import torch
@@ -34,24 +33,16 @@ def two_ranks(assets, tmp_path, output_dir, *overrides):
     return read_jsonl(output_dir / "logs" / "metrics.jsonl")
 
 
-def test_checkpoint_and_exact_resume(smollm2_assets, tmp_path):
-    """Adapter, PEFT config and merged model are gathered; a resumed 2-rank run (dropout on) is bit-exact."""
+def test_checkpoint_holds_the_gathered_adapter_and_merged_model(smollm2_assets, tmp_path):
+    """Adapter, PEFT config and merged model are gathered from 2 ranks. (A 2-rank LoRA run resumed bit for bit,
+    dropout on, through four stops: tests/recipes/test_resume_chain.py.)"""
     settings = ["max_steps_per_epoch=4", "save_every_n_steps=2", "batch_size=1", "gradient_accumulation_steps=2",
                 "lr_scheduler.num_warmup_steps=1", "optimizer.lr=0.01"]
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    straight = tmp_path / "straight"
     expected = two_ranks(smollm2_assets, tmp_path, straight, *settings)
-    shutil.copytree(straight / "step_2", resumed / "step_2")  # as if the run had stopped after step 2
-    got = two_ranks(smollm2_assets, tmp_path, resumed, *settings, "resume_from_checkpoint=true")
-
-    assert [r["step"] for r in expected] == [1, 2, 3, 4] and [r["step"] for r in got] == [3, 4]
-    fields = ("loss", "grad_norm", "lr", "num_tokens")
-    for a, b in zip(got, expected[2:]):
-        assert [a[f] for f in fields] == [b[f] for f in fields], a["step"]  # per-rank RNG restored: dropout too
+    assert [r["step"] for r in expected] == [1, 2, 3, 4]
     step = straight / "step_4"
     adapter = torch.load(step / "adapter" / "adapter_model.pt", weights_only=True)
-    assert adapter.keys() == torch.load(resumed / "step_4" / "adapter" / "adapter_model.pt", weights_only=True).keys()
-    for key, weight in torch.load(resumed / "step_4" / "adapter" / "adapter_model.pt", weights_only=True).items():
-        assert torch.equal(weight, adapter[key]), key
     # 2 layers x (q, v, 3 MLP projections) x (A, B), full (unsharded) shapes
     assert len(adapter) == 20 and adapter["layers.0.attn.q_proj.lora_a.weight"].shape == (4, 64)
     assert json.loads((step / "adapter" / "adapter_config.json").read_text())["r"] == 4

@@ -122,12 +122,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_nodes(config, nodes=2, **popen):
-    """``nodes`` launchers of 2 processes each meeting at one c10d rendezvous on loopback, as on ``nodes`` machines."""
+def launch_nodes(config, nodes=2, nproc_per_node=2, **popen):
+    """``nodes`` launchers of ``nproc_per_node`` processes meeting at one c10d rendezvous on loopback, as on ``nodes``
+    machines."""
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), WANDB_SILENT="true")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    cmd = ["tune", "run", "--nnodes", str(nodes), "--nproc_per_node", "2", "--rdzv-backend", "c10d",
+    cmd = ["tune", "run", "--nnodes", str(nodes), "--nproc_per_node", str(nproc_per_node), "--rdzv-backend", "c10d",
            "--rdzv-endpoint", f"localhost:{free_port()}", "--rdzv-id", "tp_test", RECIPE, "--config", str(config)]
     # the first launcher to bind the port hosts the rendezvous store; the others join it as clients
     return [subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -156,12 +157,14 @@ def test_two_nodes_on_loopback_equal_one_node(runs, smollm2_assets, tmp_path):
 
 
 def test_sigterm_to_every_process_of_a_two_node_tensor_parallel_job_saves(smollm2_assets, tmp_path):
-    """As SLURM preempts: SIGTERM to every process of both "nodes" (launchers and workers) of a 2 x 2
-    tensor-parallel job. The ranks stop after the same step, rank 0 saves a complete checkpoint, and the job
-    exits 75."""
-    out, config = save_config(smollm2_assets, tmp_path, "preempted", *SETTINGS, *LAYOUTS["dp2_tp2"], "epochs=40",
+    """As SLURM preempts: SIGTERM to every process of both "nodes" (launchers and workers) of a tensor-parallel
+    job (one process per node here, its tensor-parallel group spanning both, to keep it short). The ranks stop
+    after the same step, rank 0 saves a complete checkpoint, and both launchers exit 75."""
+    out, config = save_config(smollm2_assets, tmp_path, "preempted", *SETTINGS, "tensor_parallel_dim=2", "batch_size=1",
+                              "gradient_accumulation_steps=2", "sharded_checkpoints=true", "epochs=40",
                               "save_every_n_steps=1000")
-    nodes = launch_nodes(config, start_new_session=True)  # a process group per node, as srun's tasks
+    # a process group per node, as srun's tasks
+    nodes = launch_nodes(config, nproc_per_node=1, start_new_session=True)
     metrics = out / "logs" / "metrics.jsonl"
     deadline = time.time() + 600
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
