@@ -361,28 +361,3 @@ def test_a_gathered_save_silences_exactly_torchs_strided_shard_remark(caplog):
         say(meshes[1])  # outside a gather it is shown as before
     assert "_StridedShard" in caplog.records[-1].getMessage() and "suboptimal" in caplog.records[-1].getMessage()
 
-
-def test_workers_that_torchrun_restarted_do_not_read_the_keys_of_the_attempt_before(monkeypatch):
-    """torchrun hands every attempt of a job its agent's TCP store; a restarted rank read a dead rank's address
-    from it and waited on it (the job hung or failed in 2 of 4 runs of test_lost_processes' restart case).
-    The restarted workers' group keeps its keys apart: what the first attempt wrote is not seen, and the
-    first attempt keeps torch's own store."""
-    import torch.distributed as dist
-
-    from torchtune_ext.distributed import _restarted_workers_store
-
-    agent = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
-    for name, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(agent.port), RANK="0", WORLD_SIZE="1",
-                            TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0").items():
-        monkeypatch.setenv(name, value)
-    assert _restarted_workers_store() is None
-    agent.set("default_pg/0//cpu/rank_0", "address of the first attempt's rank 0")
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    first_restart = _restarted_workers_store()
-    assert not first_restart.check(["default_pg/0//cpu/rank_0"])
-    first_restart.set("default_pg/0//cpu/rank_0", "address after the restart")
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
-    assert not _restarted_workers_store().check(["default_pg/0//cpu/rank_0"])
-    assert agent.get("default_pg/0//cpu/rank_0") == b"address of the first attempt's rank 0"
-    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # the worker of rank 0 hosts a store of its own
-    assert _restarted_workers_store() is None

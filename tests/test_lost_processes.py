@@ -300,3 +300,41 @@ def test_a_worker_killed_before_the_job_held_its_folder_names_no_checkpoint(tmp_
     assert capsys.readouterr().err == ("\nerror: rank 1 (pid 1001) was killed by SIGKILL, and the job stopped; it "
                                        "stopped before it held its output_dir: start it again with the same command"
                                        "  (exit status 137)\n")
+
+
+@pytest.mark.parametrize("preset", [None, "0"], ids=["default", "users-own"])
+def test_the_launcher_gives_each_rendezvous_round_a_store_of_its_own(monkeypatch, launcher_signal_handlers, preset):
+    """torch >= 2.5 shares its agent's store with every attempt of a job, and a restarted rank read the dead
+    rank's address from it: the restart case above hung or failed in 2 of 4 runs (0 of 7 since). The launcher
+    turns the sharing off for torchrun's run; a value the user set stays."""
+    from torchtune_ext.control import launcher
+
+    if preset is None:
+        monkeypatch.delenv(launcher.SHARED_STORE_OFF_ENV, raising=False)
+    else:
+        monkeypatch.setenv(launcher.SHARED_STORE_OFF_ENV, preset)
+    seen = []
+    launcher.quiet_reported_failures(lambda args: seen.append(os.environ.get(launcher.SHARED_STORE_OFF_ENV)))(None)
+    assert seen == [preset or "1"]
+
+
+def test_a_restart_in_torchruns_shared_store_says_what_to_set(monkeypatch, caplog):
+    """Plain torchrun keeps the shared store: rank 0 of a restarted job says, before the group forms (where it
+    would hang), what to set."""
+    import logging
+
+    from torchtune_ext import distributed
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    for restart, said in (("0", False), ("1", True)):
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", restart)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            distributed._warn_of_a_shared_store_on_restart()
+        assert ("launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in caplog.text) == said, restart
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # tune run's launcher: a store per round
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        distributed._warn_of_a_shared_store_on_restart()
+    assert caplog.text == ""

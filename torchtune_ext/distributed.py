@@ -39,7 +39,6 @@ import random
 import re
 import warnings
 from dataclasses import dataclass
-from datetime import timedelta
 from fnmatch import fnmatchcase
 from math import gcd
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
@@ -57,6 +56,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 from torchtune import config as tt_config
 from torchtune import training
 from torchtune.modules import MultiHeadAttention, TiedLinear
+from torchtune.utils import get_logger
 
 from torchtune_ext import lora_parallel, ranks
 from torchtune_ext.checkpoint import rng_state
@@ -64,6 +64,7 @@ from torchtune_ext.config import check_tensor_parallel_dim
 from torchtune_ext.errors import ConfigError
 from torchtune_ext.upstream import first_mismatch, model_family
 
+log = get_logger()
 
 def init_process_group(device: torch.device, cpu_offload: bool = False) -> Tuple[int, int]:
     """Join the job's process group: gloo on CPU, nccl on CUDA.
@@ -84,33 +85,26 @@ def init_process_group(device: torch.device, cpu_offload: bool = False) -> Tuple
     backend = training.get_distributed_backend(device.type, offload_ops_to_cpu=cpu_offload and device.type != "cpu")
     if not ranks.in_process_group():
         if ranks.launched_by_torchrun():
-            store = _restarted_workers_store()
-            if store is None:
-                dist.init_process_group(backend)
-            else:
-                dist.init_process_group(backend, store=store, rank=ranks.rank(), world_size=ranks.world_size())
+            _warn_of_a_shared_store_on_restart()
+            dist.init_process_group(backend)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return ranks.rank(), ranks.process_group_size()
 
 
-def _restarted_workers_store() -> Optional[dist.Store]:
-    """The store of workers that torchrun started again (``--max-restarts``), with keys of their own; else None.
+def _warn_of_a_shared_store_on_restart() -> None:
+    """Say why a restarted job may hang: workers that torchrun started again in its agent's shared store.
 
-    torchrun (torch >= 2.5) hands every attempt of a job the same TCP store
-    (its agent's), and the process group keeps the same keys in it, so a
-    restarted rank can read a dead rank's address from the attempt before
-    and wait on it forever (seen here with gloo: both ranks hung in
-    ``connectFullMesh``; pytorch/pytorch#135712 for nccl). Prefixing the keys
-    with the restart count, which every agent of a job counts alike, gives
-    each attempt a clean namespace in the same store.
+    ``tune run`` turns the sharing off
+    (:data:`torchtune_ext.control.launcher.SHARED_STORE_OFF_ENV`); a plain
+    ``torchrun --max-restarts`` keeps it, and a restarted rank can then wait
+    forever for an address of the attempt before.
     """
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or restart in ("", "0"):
-        return None
-    agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), ranks.world_size(),
-                                is_master=False, timeout=timedelta(minutes=30))  # torch's default for the group
-    return dist.PrefixStore(f"torchtune_ext/restart_{restart}", agent_store)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and restart not in ("", "0") and ranks.rank() == 0:
+        log.warning("torchrun restarted the workers (restart %s) in the store of their first start: if the job "
+                    "hangs here, launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in the environment (tune run "
+                    "sets it), pytorch/pytorch#135712", restart)
 
 
 # ----------------------------------------------------------------- the mesh

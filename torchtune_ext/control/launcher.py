@@ -23,6 +23,13 @@ from typing import Any, Callable, Optional
 from torchtune_ext.control.exits import LOST_PEER, STOP_OTHERS_SIGNAL, ignore_signals_while_exiting
 from torchtune_ext.errors import LAUNCHER_PID_ENV, OUTCOME_FILE_ENV, REPORTED_EXIT_CODES
 
+# torch >= 2.5 keeps one TCP store (its agent's) for every attempt of a job, and the workers' process group
+# writes the same keys in it each time: a restarted rank could read a dead rank's address and wait on it (both
+# ranks of a 2-process job hung in gloo's connect, or failed, in 2 of 4 restarts here; pytorch/pytorch#135712
+# for nccl). With this set, each rendezvous round makes a fresh store, as before torch 2.5, on every node alike
+# (the restart count, which could name a fresh namespace instead, is counted per node and differs between them).
+SHARED_STORE_OFF_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
 
 def _recorded_output_dir(outcome_file: str) -> Optional[str]:
     try:
@@ -61,6 +68,10 @@ def quiet_reported_failures(run: Callable[..., Any]) -> Callable[..., Any]:
     continues the run (:func:`_exit_for_lost_rank`). Other failures are
     reported by torchrun as usual.
 
+    Each rendezvous round gets a store of its own (:data:`SHARED_STORE_OFF_ENV`),
+    so that workers torchrun starts again (``--max-restarts``) can form their
+    process group.
+
     While ``run`` runs, torchrun ends the workers left once one has failed
     with :data:`STOP_OTHERS_SIGNAL` instead of SIGTERM (a signal the launcher
     receives is still forwarded as it is), and the workers end with the
@@ -88,6 +99,7 @@ def quiet_reported_failures(run: Callable[..., Any]) -> Callable[..., Any]:
         default_signal = getattr(elastic_api, "_get_default_signal", None)
         if default_signal is not None:
             elastic_api._get_default_signal = lambda: STOP_OTHERS_SIGNAL
+        os.environ.setdefault(SHARED_STORE_OFF_ENV, "1")  # a user's own setting stays
         try:
             return run(*args, **kwargs)
         except SignalException as err:
