@@ -305,7 +305,7 @@ def test_a_worker_killed_before_the_job_held_its_folder_names_no_checkpoint(tmp_
 @pytest.mark.parametrize("preset", [None, "0"], ids=["default", "users-own"])
 def test_the_launcher_gives_each_rendezvous_round_a_store_of_its_own(monkeypatch, launcher_signal_handlers, preset):
     """torch >= 2.5 shares its agent's store with every attempt of a job, and a restarted rank read the dead
-    rank's address from it: the restart case above hung or failed in 2 of 4 runs (0 of 7 since). The launcher
+    rank's address from it: the restart case above hung or failed in 2 of 4 runs (none of 4 since). The launcher
     turns the sharing off for torchrun's run; a value the user set stays."""
     from torchtune_ext.control import launcher
 
