@@ -7,6 +7,7 @@ to resume from. The launcher's classification of failures is tested without proc
 
 import json
 import os
+import re
 import signal
 import subprocess
 import textwrap
@@ -166,6 +167,9 @@ def test_torchrun_restarts_a_killed_worker_and_the_job_continues_exactly(setup_y
     assert done.returncode == 0, done.stderr[-3000:]
     text = done.stdout + done.stderr
     assert "no complete checkpoint in output_dir yet, so a new run" in text  # the first attempt
+    assert re.search(r"\nrank 1 \(pid \d+\) was killed by SIGKILL: torchrun starts every worker again \(restart 1 "
+                     r"of 1\)\n", done.stderr), done.stderr[-3000:]  # the launcher says why
+    assert "torchrun's restart 1 of 1 after a worker failed" in text  # rank 0 of the restarted workers
     assert f"Resuming from {out / 'step_2'} (step 2)" in text  # the restarted one
     steps = [r["step"] for r in read_jsonl(out / "logs" / "metrics.jsonl") if "loss" in r]
     assert steps[:2] == [1, 2] and steps[-4:] == [3, 4, 5, 6] and len(steps) <= 7  # step 3 again after the restart
@@ -338,3 +342,39 @@ def test_a_restart_in_torchruns_shared_store_says_what_to_set(monkeypatch, caplo
     with caplog.at_level(logging.WARNING):
         distributed._warn_of_a_shared_store_on_restart()
     assert caplog.text == ""
+
+
+@pytest.mark.parametrize("failures,said,restarts_left", [
+    ({0: (None, STOPPED), 1: (None, -9)}, "rank 1 (pid 1001) was killed by SIGKILL", 1),
+    ({0: (None, 1), 1: (LOST, STOPPED)}, "rank 0 (pid 1000) exited with status 1", 1),
+    ({0: ("error: config key 'x': bad", 2), 1: ("error: config key 'x': bad", 2)}, None, 0),
+    ({0: ("error: ...", 75), 1: (None, STOPPED)}, None, 0),
+    ({0: ("error: ...", 74), 1: (None, -9)}, "rank 1 (pid 1001) was killed by SIGKILL", 1),
+], ids=["killed", "crashed", "bad-input", "stopped", "io-error-and-killed"])
+def test_a_restart_names_the_failure_and_a_reported_one_ends_the_job(tmp_path, capsys, failures, said,
+                                                                       restarts_left):
+    """Issue 31 trial: torchrun restarted the workers without a word on why (an OOM kill left no trace), and
+    restarted a bad config twice, printing its error three times. Now one line names the failure before a
+    restart, and a failure the recipe reported itself (exit 2, 3, 74, 75) uses up the restarts, so the agent
+    ends the job with that status (the launcher's usual line) instead of meeting it again or undoing a stop."""
+    from types import SimpleNamespace
+
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+
+    from torchtune_ext.control import launcher
+
+    result = RunResult(state=WorkerState.FAILED,
+                       failures={r: failure(tmp_path, r, code, msg) for r, (msg, code) in failures.items()})
+    agent = SimpleNamespace(_remaining_restarts=1)
+    group = SimpleNamespace(spec=SimpleNamespace(max_restarts=3))
+    assert launcher._say_before_a_restart(lambda a, g: result)(agent, group) is result
+    assert agent._remaining_restarts == restarts_left
+    err = capsys.readouterr().err
+    assert err == (f"\n{said}: torchrun starts every worker again (restart 3 of 3)\n" if said else "")
+    agent._remaining_restarts = 0  # none left: the agent ends the job, and the launcher's line says why
+    launcher._say_before_a_restart(lambda a, g: result)(agent, group)
+    assert capsys.readouterr().err == ""
+    healthy = RunResult(state=WorkerState.HEALTHY)
+    agent._remaining_restarts = 1
+    assert launcher._say_before_a_restart(lambda a, g: healthy)(agent, group) is healthy
+    assert agent._remaining_restarts == 1 and capsys.readouterr().err == ""

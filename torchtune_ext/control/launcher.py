@@ -18,7 +18,7 @@ import shlex
 import signal
 import sys
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Tuple
 
 from torchtune_ext.control.exits import LOST_PEER, STOP_OTHERS_SIGNAL, ignore_signals_while_exiting
 from torchtune_ext.errors import LAUNCHER_PID_ENV, OUTCOME_FILE_ENV, REPORTED_EXIT_CODES
@@ -68,9 +68,12 @@ def quiet_reported_failures(run: Callable[..., Any]) -> Callable[..., Any]:
     continues the run (:func:`_exit_for_lost_rank`). Other failures are
     reported by torchrun as usual.
 
-    Each rendezvous round gets a store of its own (:data:`SHARED_STORE_OFF_ENV`),
-    so that workers torchrun starts again (``--max-restarts``) can form their
-    process group.
+    With ``--max-restarts``: each rendezvous round gets a store of its own
+    (:data:`SHARED_STORE_OFF_ENV`), so that the workers torchrun starts again
+    can form their process group; a restart is said in one line naming the
+    failure; and a failure the recipe reported (:data:`REPORTED_EXIT_CODES`:
+    bad input, a stop, a failed write, a destroyed model) ends the job instead,
+    as a restart would meet it again or undo a stop.
 
     While ``run`` runs, torchrun ends the workers left once one has failed
     with :data:`STOP_OTHERS_SIGNAL` instead of SIGTERM (a signal the launcher
@@ -100,6 +103,10 @@ def quiet_reported_failures(run: Callable[..., Any]) -> Callable[..., Any]:
         if default_signal is not None:
             elastic_api._get_default_signal = lambda: STOP_OTHERS_SIGNAL
         os.environ.setdefault(SHARED_STORE_OFF_ENV, "1")  # a user's own setting stays
+        from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+        monitor = LocalElasticAgent._monitor_workers
+        LocalElasticAgent._monitor_workers = _say_before_a_restart(monitor)
         try:
             return run(*args, **kwargs)
         except SignalException as err:
@@ -138,12 +145,62 @@ def quiet_reported_failures(run: Callable[..., Any]) -> Callable[..., Any]:
                     os.remove(path)
             if default_signal is not None:
                 elastic_api._get_default_signal = default_signal
+            LocalElasticAgent._monitor_workers = monitor
             if launcher_pid is None:
                 os.environ.pop(LAUNCHER_PID_ENV, None)
             else:
                 os.environ[LAUNCHER_PID_ENV] = launcher_pid
 
     return wrapper
+
+
+def _say_before_a_restart(monitor: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap torchrun's ``LocalElasticAgent._monitor_workers``: before the agent restarts failed workers, one line
+    says which failed and how; a failure the recipe reported leaves no restart (the agent then ends the job)."""
+
+    @functools.wraps(monitor)
+    def wrapper(agent: Any, worker_group: Any) -> Any:
+        result = monitor(agent, worker_group)
+        if not result.is_failed() or agent._remaining_restarts <= 0:
+            return result
+        causes = {r: f for r, f in result.failures.items() if not _is_consequence(f)}
+        if causes and all(f.exitcode in REPORTED_EXIT_CODES for f in causes.values()):
+            agent._remaining_restarts = 0  # the same input, the same stop, the same disk: no restart
+            return result
+        max_restarts = worker_group.spec.max_restarts
+        restart = max_restarts - agent._remaining_restarts + 1
+        found = _failure(result.failures)
+        what = found[0] if found else "a worker failed"
+        # on a line of its own: rank 0's progress bar, cut short, leaves the cursor at its end
+        print(f"\n{what}: torchrun starts every worker again (restart {restart} of {max_restarts})",
+              file=sys.stderr, flush=True)
+        return result
+
+    return wrapper
+
+
+def _failure(failures: dict) -> Optional[Tuple[str, int, bool]]:
+    """What ended the workers, from torchrun's ``{rank: ProcessFailure}``: (what happened, the exit status that
+    says it, whether a worker crashed), or None if each was ended by torchrun after another one failed.
+
+    The first worker killed by a signal N (status 128 + N); else lost connections alone (status 1); else the
+    first worker that exited with a status of its own.
+    """
+    killed = {r: f for r, f in failures.items() if f.exitcode < 0 and not _is_consequence(f)}
+    crashed = {r: f for r, f in failures.items() if f.exitcode >= 0 and not _is_consequence(f)}
+    lost = [f for f in failures.values() if isinstance(f.message, str) and f.message.startswith(LOST_PEER)]
+    if killed:
+        rank, failure = min(killed.items(), key=lambda item: (item[1].timestamp, item[0]))
+        signum = -failure.exitcode
+        name = signal.Signals(signum).name if signum in signal.valid_signals() else f"signal {signum}"
+        return f"rank {rank} (pid {failure.pid}) was killed by {name}", 128 + signum, False
+    if lost and not crashed:
+        detail = lost[0].message[len(LOST_PEER):].split("):")[0].strip(" (")
+        return f"the ranks lost their connection to each other ({detail})", 1, False
+    if crashed:
+        rank, failure = min(crashed.items(), key=lambda item: (item[1].timestamp, item[0]))
+        return f"rank {rank} (pid {failure.pid}) exited with status {failure.exitcode}", failure.exitcode, True
+    return None
 
 
 def _is_consequence(failure: Any) -> bool:
@@ -161,19 +218,10 @@ def _exit_for_lost_rank(failures: dict, output_dir: Optional[str]) -> None:
     worker killed, none crashed): exit 1. The line names the newest complete
     checkpoint in ``output_dir`` and the command that continues the run.
     """
-    killed = {r: f for r, f in failures.items() if f.exitcode < 0 and not _is_consequence(f)}
-    crashed = [f for f in failures.values() if f.exitcode >= 0 and not _is_consequence(f)]
-    lost = [f for f in failures.values() if isinstance(f.message, str) and f.message.startswith(LOST_PEER)]
-    if killed:
-        rank, failure = min(killed.items(), key=lambda item: (item[1].timestamp, item[0]))
-        signum = -failure.exitcode
-        name = signal.Signals(signum).name if signum in signal.valid_signals() else f"signal {signum}"
-        what, status = f"rank {rank} (pid {failure.pid}) was killed by {name}", 128 + signum
-    elif lost and not crashed:
-        detail = lost[0].message[len(LOST_PEER):].split("):")[0].strip(" (")
-        what, status = f"the ranks lost their connection to each other ({detail})", 1
-    else:
+    found = _failure(failures)
+    if found is None or found[2]:  # a crash: torchrun's report, with the traceback, is what helps
         return
+    what, status, _ = found
     if output_dir is None:
         where = "it stopped before it held its output_dir: start it again with the same command"
     else:
