@@ -66,6 +66,7 @@ from torchtune_ext.upstream import first_mismatch, model_family
 
 log = get_logger()
 
+
 def init_process_group(device: torch.device, cpu_offload: bool = False) -> Tuple[int, int]:
     """Join the job's process group: gloo on CPU, nccl on CUDA.
 
@@ -100,8 +101,8 @@ def _warn_of_a_shared_store_on_restart() -> None:
     ``torchrun --max-restarts`` keeps it, and a restarted rank can then wait
     forever for an address of the attempt before.
     """
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and restart not in ("", "0") and ranks.rank() == 0:
+    restart = ranks.torchrun_restart()
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and restart and ranks.is_rank_zero():
         log.warning("torchrun restarted the workers (restart %s) in the store of their first start: if the job "
                     "hangs here, launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in the environment (tune run "
                     "sets it), pytorch/pytorch#135712", restart)

@@ -35,6 +35,12 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ
 
 
+def torchrun_restart() -> int:
+    """How many times torchrun has started this job's workers again (``--max-restarts``): 0 on the first start,
+    and outside torchrun. torchrun counts per node, so nodes of one job may differ."""
+    return _env_int("TORCHELASTIC_RESTART_COUNT") or 0
+
+
 def in_process_group() -> bool:
     """Whether this process has joined a process group (collectives can run)."""
     return _dist() is not None

@@ -203,10 +203,8 @@ def check_resume_point(cfg: DictConfig) -> None:
 
 def _torchrun_restart() -> str:
     """'torchrun's restart 1 of 3' when torchrun started this job's workers again (``--max-restarts``), else ''."""
-    count = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    if not count.isdigit() or int(count) == 0:
-        return ""
-    return f"torchrun's restart {count} of {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')}"
+    count = ranks.torchrun_restart()
+    return f"torchrun's restart {count} of {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')}" if count else ""
 
 
 def _listdir(path: str):

@@ -171,7 +171,7 @@ def _tied_token_embedding(model: nn.Module) -> Optional[nn.Module]:
     transformers (:func:`torchtune_ext.hf.causal_lm`): ``lm_head`` (an
     ``nn.Linear``) holds the input embedding's weight itself (``tie_word_embeddings``).
     """
-    from torchtune_ext.models import is_hf_model  # in here, as torchtune: the allocator settings need torch only
+    from torchtune_ext.models import is_hf_model  # in here: importing runtime stays torch only
 
     if is_hf_model(model):
         embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
