@@ -289,8 +289,8 @@ def transformers_markdown(result: Dict[str, Any], profile: Profile) -> str:
     lines = [
         *_heading(result, f"# Benchmark `{profile.name}`: the transformers path against the torchtune path"),
         "Our full fine-tune recipe twice on SmolLM2-135M-Instruct's weights: on torchtune's model "
-        "(`configs/smollm2`, `torchtune_ext.models.smollm2_135m`, torchtune's checkpointer) and on the "
-        "transformers model of the same folder (`configs/hf`, `torchtune_ext.hf.causal_lm`, `model_dir` the "
+        "(`configs/smollm2`, `torchtune_ext.model.build.smollm2_135m`, torchtune's checkpointer) and on the "
+        "transformers model of the same folder (`configs/hf`, `torchtune_ext.model.hf.causal_lm`, `model_dir` the "
         "folder), every other key of the transformers config set to the torchtune config's "
         "(`bench.cases.transformers_path_overrides`: the same tokenizer, so the same token ids, warm-up and "
         f"memory limit). Alpaca demo data (prompts masked), {profile.dtype} on {profile.device}, "

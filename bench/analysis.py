@@ -8,7 +8,7 @@ import re
 import statistics
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence
 
-from torchtune_ext import flops
+from torchtune_ext.run.metrics import flops
 
 GIB = 1024**3
 

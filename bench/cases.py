@@ -18,42 +18,42 @@ OURS_BUDGET = "ours_budget"
 OURS_PACKED = "ours_packed"
 OURS_PACKED_2048 = "ours_packed_2048"
 HF_TRAINER = "hf_trainer"
-# Our recipe on the transformers model of the same folder (configs/hf, torchtune_ext.hf), per micro-batch
+# Our recipe on the transformers model of the same folder (configs/hf, torchtune_ext.model.hf), per micro-batch
 OURS_HF_EACH = "ours_hf_each"
 VARIANTS = (UPSTREAM, OURS_ONCE, OURS_EACH)
 
 VARIANT_LABELS = {
     UPSTREAM: "upstream torchtune 0.6.1 (backward per micro-batch)",
-    OURS_ONCE: "ours, backward_once_per_step=true",
-    OURS_ONCE_DEVICE: "ours, backward_once_per_step=true, once_per_step_memory_limit=device",
-    OURS_EACH: "ours, backward_once_per_step=false",
+    OURS_ONCE: "ours, backward=auto",
+    OURS_ONCE_DEVICE: "ours, backward=auto, once_per_step_memory_limit=device",
+    OURS_EACH: "ours, backward=per_micro_batch",
     OURS_UNGROUPED: "ours, backward once per step, group_by_length=false",
     OURS_BUDGET: "ours, backward once per step, max_tokens_per_micro_batch=1024",
     OURS_PACKED: "ours, backward once per step, max_tokens_per_micro_batch=1024, pack_micro_batches=true",
     OURS_PACKED_2048: "ours, backward once per step, max_tokens_per_micro_batch=2048, pack_micro_batches=true",
     HF_TRAINER: "Hugging Face Trainer (transformers), token-normalized loss",
-    OURS_HF_EACH: "ours, transformers model (configs/hf), backward_once_per_step=false",
+    OURS_HF_EACH: "ours, transformers model (configs/hf), backward=per_micro_batch",
 }
 
 # Overrides that make a variant of ours what its name says, after the common
 # ones (so they win). ours_once/ours_each keep the config's grouping (on).
 VARIANT_OVERRIDES: Dict[str, Tuple[str, ...]] = {
-    OURS_ONCE: ("backward_once_per_step=true",),
+    OURS_ONCE: ("backward=auto",),
     # once per step wherever the device has the memory, not only where torchtune's recipe
     # would need as much (the default limit): what ours_once measured before 2026-12-02
-    OURS_ONCE_DEVICE: ("backward_once_per_step=true", "once_per_step_memory_limit=device"),
-    OURS_EACH: ("backward_once_per_step=false",),
-    OURS_HF_EACH: ("backward_once_per_step=false",),
-    OURS_UNGROUPED: ("backward_once_per_step=true", "group_by_length=false"),
+    OURS_ONCE_DEVICE: ("backward=auto", "once_per_step_memory_limit=device"),
+    OURS_EACH: ("backward=per_micro_batch",),
+    OURS_HF_EACH: ("backward=per_micro_batch",),
+    OURS_UNGROUPED: ("backward=auto", "group_by_length=false"),
     # At batch 1 x GA 4 x 256 tokens: the step's 4 samples in one micro-batch of at
     # most 1024 padded positions, the memory bound of batch 4 x 256.
-    OURS_BUDGET: ("backward_once_per_step=true", "max_tokens_per_micro_batch=1024"),
+    OURS_BUDGET: ("backward=auto", "max_tokens_per_micro_batch=1024"),
     # the same samples concatenated into one row of at most 1024 tokens: no padding
-    OURS_PACKED: ("backward_once_per_step=true", "max_tokens_per_micro_batch=1024", "pack_micro_batches=true"),
+    OURS_PACKED: ("backward=auto", "max_tokens_per_micro_batch=1024", "pack_micro_batches=true"),
     # At batch 8 x GA 4 x 512: rows of up to 2048 tokens (4 samples of the longest length, ~9 of the
     # average Alpaca one); ours_packed's rows of 1024 there hold half as many. A row's block-causal
     # attention costs its length squared on CPU SDPA.
-    OURS_PACKED_2048: ("backward_once_per_step=true", "max_tokens_per_micro_batch=2048", "pack_micro_batches=true"),
+    OURS_PACKED_2048: ("backward=auto", "max_tokens_per_micro_batch=2048", "pack_micro_batches=true"),
 }
 # Variants that rearrange the step's samples beyond grouping (their losses must equal the defaults').
 BUDGET_VARIANTS = (OURS_BUDGET, OURS_PACKED, OURS_PACKED_2048)

@@ -13,7 +13,7 @@ model, same weights, take turns (the order alternates every repeat):
   zero-filled ``[vocab, hidden]`` gradient holding the micro-batch's rows;
 * ``sparse rows``: ``nn.Embedding(sparse=True)``; autograd adds the sparse
   rows to the projection's dense gradient (an experiment, not used);
-* ``rows into .grad``: :func:`torchtune_ext.runtime.embedding_rows_into_grad`,
+* ``rows into .grad``: :func:`torchtune_ext.model.runtime.embedding_rows_into_grad`,
   what the single-device full recipe does on CPU.
 
 Prints, per way, the median time of such a step over ``--repeats`` after one
@@ -30,9 +30,9 @@ from typing import Dict
 
 import torch
 
-from torchtune_ext.loss import SummedCrossEntropyLoss
-from torchtune_ext.models import smollm2_135m
-from torchtune_ext.runtime import embedding_rows_into_grad
+from torchtune_ext.model.build import smollm2_135m
+from torchtune_ext.model.runtime import embedding_rows_into_grad
+from torchtune_ext.train.loss import SummedCrossEntropyLoss
 
 IGNORE = -100
 WAYS = ("autograd (dense)", "sparse rows", "rows into .grad")

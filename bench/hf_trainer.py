@@ -48,7 +48,7 @@ from bench.launch import IGNORE_INDEX, Probe
 
 
 def _epoch_order(size: int, seed: int) -> List[int]:
-    from torchtune_ext.data import epoch_order
+    from torchtune_ext.data.step_loader import epoch_order
 
     return epoch_order(size, 0, seed, True)
 

@@ -58,13 +58,13 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from torchtune_ext.models import initialize_adapters
+from torchtune_ext.model.build import initialize_adapters
 
 IGNORE_INDEX = -100
 
 
 def _vm_hwm_bytes() -> Optional[int]:
-    from torchtune_ext.metrics import lifetime_peak_rss_bytes
+    from torchtune_ext.run.metrics import lifetime_peak_rss_bytes
 
     return lifetime_peak_rss_bytes()
 
@@ -193,12 +193,13 @@ def _wrap_collate(probe: Probe, pad_to: Optional[int] = None) -> None:
 
 
 def _install_ours(probe: Probe) -> None:
-    from torchtune_ext import accounting, data, step
-    from torchtune_ext.metrics import MetricLogger, reporter
+    from torchtune_ext.data import datasets, step_loader
+    from torchtune_ext.run.metrics import MetricLogger, reporter
+    from torchtune_ext.train import accounting, objective
 
-    if hasattr(data, "padded_collate_sft"):  # bound at import time
-        data.padded_collate_sft = sys.modules["torchtune.data"].padded_collate_sft
-    as_pack = data.collate_as_pack
+    if hasattr(datasets, "padded_collate_sft"):  # bound at import time
+        datasets.padded_collate_sft = sys.modules["torchtune.data"].padded_collate_sft
+    as_pack = step_loader.collate_as_pack
 
     @functools.wraps(as_pack)
     def collate_as_pack(batch):  # pack_micro_batches: looked up by StepLoader.load_step at run time
@@ -206,7 +207,7 @@ def _install_ours(probe: Probe) -> None:
         probe.micro_batch(batch, collated)
         return collated
 
-    data.collate_as_pack = collate_as_pack
+    step_loader.collate_as_pack = collate_as_pack
     original_log = MetricLogger.log
 
     def log(self, record):
@@ -220,7 +221,7 @@ def _install_ours(probe: Probe) -> None:
     if hasattr(reporter, "step_record"):
         reporter.step_record = probe.timed("step_record", reporter.step_record)
     accounting.count_trainable_tokens = probe.timed("count_tokens", accounting.count_trainable_tokens)
-    step.prepare_micro_batch = probe.timed("prepare", step.prepare_micro_batch)
+    objective.prepare_micro_batch = probe.timed("prepare", objective.prepare_micro_batch)
     accounting.global_sum = _peer_wait_then(probe, probe.timed("global_sum", accounting.global_sum))
 
 
@@ -306,7 +307,7 @@ class OurInitialAdapter:
 
     Both sides draw LoRA's A matrices (kaiming-uniform) and set B to zero, but
     from different random streams: ours from a generator seeded with the run's
-    seed alone (:func:`torchtune_ext.models.initialize_adapters`, the same
+    seed alone (:func:`torchtune_ext.model.build.initialize_adapters`, the same
     adapter on any device and world size), upstream's single-device recipe
     from the global stream after the base weights drew from it, its
     distributed recipe after sharding. With B = 0 the losses agree until an

@@ -3,12 +3,12 @@
     python -m bench.model_paths [--batch-size 2] [--ga 4] [--max-seq-len 512] [--repeats 5] [--top 15] [--threads N]
 
 Both models are built and loaded as the single-device full recipe does
-(``torchtune_ext.models.build_model`` and ``load_model_state``, torchtune's
-``FullModelHFCheckpointer`` and ``torchtune_ext.hf.HFCheckpointer`` on
+(``torchtune_ext.model.build.build_model`` and ``load_model_state``, torchtune's
+``FullModelHFCheckpointer`` and ``torchtune_ext.model.hf.HFCheckpointer`` on
 ``assets/SmolLM2-135M-Instruct``, fp32, CPU, the recipe's
 ``embedding_rows_into_grad`` and the loss applying the output projection),
 and take turns (the order alternating every repeat) training optimizer steps
-with :func:`torchtune_ext.step.train_step` (backward per micro-batch, fused
+with :func:`torchtune_ext.train.step.train_step` (backward per micro-batch, fused
 AdamW, clipping at 1.0) on the same micro-batches: the first ``--ga`` x
 ``--batch-size`` samples of the Alpaca demo data in the recipes' epoch order
 (seed 0), tokenized by torchtune_ext's SmolLM2 tokenizer, prompts masked, in
@@ -38,8 +38,8 @@ from omegaconf import OmegaConf
 PATHS = ("torchtune", "transformers")
 FOLDER = "assets/SmolLM2-135M-Instruct"
 MODEL_CONFIGS = {
-    "torchtune": {"_component_": "torchtune_ext.models.smollm2_135m"},
-    "transformers": {"_component_": "torchtune_ext.hf.causal_lm", "path": FOLDER},
+    "torchtune": {"_component_": "torchtune_ext.model.build.smollm2_135m"},
+    "transformers": {"_component_": "torchtune_ext.model.hf.causal_lm", "path": FOLDER},
 }
 
 
@@ -50,7 +50,7 @@ def _state_dict(path: str, out: str) -> Dict[str, torch.Tensor]:
         checkpointer = FullModelHFCheckpointer(checkpoint_dir=FOLDER, checkpoint_files=["model.safetensors"],
                                                model_type="LLAMA3_2", output_dir=out)
     else:
-        from torchtune_ext.hf import HFCheckpointer
+        from torchtune_ext.model.hf import HFCheckpointer
 
         checkpointer = HFCheckpointer(FOLDER, out)
     return checkpointer.load_checkpoint()["model"]
@@ -58,9 +58,9 @@ def _state_dict(path: str, out: str) -> Dict[str, torch.Tensor]:
 
 def build(path: str, out: str):
     """The model of ``path`` as the single-device full recipe sets it up (fp32, CPU), and its loss."""
-    from torchtune_ext.loss import SummedCrossEntropyLoss
-    from torchtune_ext.models import build_model, load_model_state
-    from torchtune_ext.runtime import embedding_rows_into_grad
+    from torchtune_ext.model.build import build_model, load_model_state
+    from torchtune_ext.model.runtime import embedding_rows_into_grad
+    from torchtune_ext.train.loss import SummedCrossEntropyLoss
 
     cpu = torch.device("cpu")
     model = build_model(OmegaConf.create(MODEL_CONFIGS[path]), torch.float32, cpu)
@@ -76,8 +76,8 @@ def micro_batches(batch_size: int, ga: int, max_seq_len: int) -> List[Dict[str, 
     from torchtune.data import padded_collate_sft
     from torchtune.datasets import alpaca_dataset
 
-    from torchtune_ext.data import epoch_order
-    from torchtune_ext.tokenizer import smollm2_tokenizer
+    from torchtune_ext.data.step_loader import epoch_order
+    from torchtune_ext.data.tokenizer import smollm2_tokenizer
 
     tokenizer = smollm2_tokenizer(FOLDER, max_seq_len=max_seq_len)
     data = alpaca_dataset(tokenizer, source="json", data_files="assets/data/alpaca_en_demo.json", split="train",
@@ -117,7 +117,7 @@ def main() -> None:
 
     import tempfile
 
-    from torchtune_ext.step import train_step
+    from torchtune_ext.train.step import train_step
 
     batches = micro_batches(args.batch_size, args.ga, args.max_seq_len)
     tokens = sum(int((b["tokens"] != 0).sum()) for b in batches)

@@ -10,14 +10,14 @@ forward and backward of the output projection plus the summed cross-entropy
 are timed (best of ``--repeats`` after one warm-up), and the bytes autograd
 keeps for backward between them are counted (``saved_tensors_hooks``,
 distinct storages, weights excluded; what a micro-batch holds until the
-step's one backward with ``backward_once_per_step``):
+step's one backward with ``backward=once_per_step``):
 
 * ``upstream``: torchtune's ``CEWithChunkedOutputLoss`` way: logits for every
   position in 8 sequence chunks, upcast, cross-entropy;
 * ``logits, 8 chunks`` / ``logits, 1 chunk``: the model returns logits in
   sequence chunks, our loss keeps only trainable rows;
 * ``loss projects, auto``: our loss applies the projection to trainable rows
-  only, in chunks of :func:`torchtune_ext.loss.rows_per_output_chunk`;
+  only, in chunks of :func:`torchtune_ext.train.loss.rows_per_output_chunk`;
 * ``... recomputed``: the same under ``torch.utils.checkpoint`` (what a
   micro-batch uses when its graph waits for the step's one backward).
 
@@ -31,7 +31,7 @@ from typing import Callable, Dict, List
 import torch
 import torch.nn.functional as F
 
-from torchtune_ext.loss import SummedCrossEntropyLoss
+from torchtune_ext.train.loss import SummedCrossEntropyLoss
 
 VOCAB, HIDDEN = 49_152, 576
 

@@ -47,7 +47,7 @@ def peak_flops(device: str, dtype: torch.dtype, n: int, iters: int) -> Dict[str,
 def model_counts(kind: str, config_path: str) -> Dict[str, Any]:
     """Trainable and frozen matmul weights, layers and attention width of the config's model, built on meta.
 
-    The count the recipes' ``mfu`` uses (:class:`torchtune_ext.flops.ModelFlops`):
+    The count the recipes' ``mfu`` uses (:class:`torchtune_ext.run.metrics.flops.ModelFlops`):
     a tied embedding counts once (it is the output projection's weight), norm
     scales do not count.
     """
@@ -56,7 +56,7 @@ def model_counts(kind: str, config_path: str) -> Dict[str, Any]:
     from omegaconf import OmegaConf
     from torchtune import config
 
-    from torchtune_ext.flops import ModelFlops
+    from torchtune_ext.run.metrics.flops import ModelFlops
 
     cfg = OmegaConf.load(config_path)
     with torch.device("meta"):
@@ -99,10 +99,10 @@ def machine() -> Dict[str, Any]:
 
 
 def allreduce_main(out: str, iters: int = 300) -> None:
-    """Latency of the accounting's collective: ``torchtune_ext.accounting.global_sum`` of one scalar (gloo)."""
+    """Latency of the accounting's collective: ``torchtune_ext.train.accounting.global_sum`` of one scalar (gloo)."""
     import torch.distributed as dist
 
-    from torchtune_ext.accounting import global_sum
+    from torchtune_ext.train.accounting import global_sum
 
     dist.init_process_group("gloo")
     value = torch.tensor(123)
@@ -125,14 +125,14 @@ def allreduce_main(out: str, iters: int = 300) -> None:
 def grad_norm_cost(repeats: int = 7) -> Dict[str, Any]:
     """Seconds to take the gradient norm of SmolLM2-135M three ways, and how far each is from exact.
 
-    Ours (``torchtune_ext.step.grad_norm_and_clip``: blocks of 1024 in fp32,
+    Ours (``torchtune_ext.train.step.grad_norm_and_clip``: blocks of 1024 in fp32,
     block sums in float64), upcasting every entry to float64, and upstream's
     ``torch.nn.utils.clip_grad_norm_`` (fp32). Random gradients of the real
     shapes (scale 1e-3); ``max_norm`` large so nothing is clipped. Median of
     ``repeats`` calls; error relative to an exact float64 norm.
     """
-    from torchtune_ext.grad_norm import grad_norm_and_clip
-    from torchtune_ext.models import smollm2_135m
+    from torchtune_ext.model.build import smollm2_135m
+    from torchtune_ext.train.grad_norm import grad_norm_and_clip
 
     torch.manual_seed(0)
     params = list(smollm2_135m().parameters())
@@ -160,7 +160,7 @@ def sync_cost_main(out: str, seq_len: int = 256, iters: int = 3) -> None:
     """What one gradient reduce-scatter costs: a micro-batch's forward + backward with and without sync.
 
     SmolLM2-135M (random weights: the cost does not depend on the values),
-    sharded like the distributed recipes (:func:`torchtune_ext.distributed.shard_model`),
+    sharded like the distributed recipes (:func:`torchtune_ext.parallel.fsdp.shard_model`),
     one sample of ``seq_len`` tokens. Alternates ``set_requires_gradient_sync(False)``
     and ``(True)``; the difference of the medians is what a per-micro-batch
     reduce-scatter adds, i.e. what syncing once per step saves on each of the
@@ -169,8 +169,8 @@ def sync_cost_main(out: str, seq_len: int = 256, iters: int = 3) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from torchtune_ext.distributed import shard_model
-    from torchtune_ext.models import smollm2_135m
+    from torchtune_ext.model.build import smollm2_135m
+    from torchtune_ext.parallel.fsdp import shard_model
 
     dist.init_process_group("gloo")
     torch.manual_seed(0)

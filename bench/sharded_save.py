@@ -49,7 +49,7 @@ def _worker(config: str, mode: str, out: str, result: str) -> None:
     from omegaconf import OmegaConf
     from torchtune import config as tt_config
 
-    from torchtune_ext import distributed
+    from torchtune_ext import parallel as distributed
     from torchtune_ext.checkpoint import CheckpointManager, Progress
     from torchtune_ext.checkpoint.sharded import local_bytes, local_state
     from torchtune_ext.config import DISTRIBUTED_KEYS, validate

@@ -5,7 +5,7 @@
 
 Every rank asks, before every optimizer step, whether a signal asked the run
 to stop; the ranks agree with one all-reduce (MAX) of a one-element tensor on
-the training device (:mod:`torchtune_ext.control.preemption`). This starts the
+the training device (:mod:`torchtune_ext.run.control.preemption`). This starts the
 processes with torchrun, times ``--iters`` checks after a warm-up, and prints
 the median and mean per check, with an empty ``barrier`` for scale. Compare
 with a step time (``step_seconds`` in ``metrics.jsonl``).
@@ -34,8 +34,8 @@ def _time(fn, iters: int, device: torch.device) -> list:
 
 
 def worker(iters: int, cuda: bool) -> None:
-    from torchtune_ext import distributed
-    from torchtune_ext.control.preemption import GracefulStop
+    from torchtune_ext.parallel import mesh as distributed
+    from torchtune_ext.run.control.preemption import GracefulStop
 
     device = torch.device(f"cuda:{os.environ['LOCAL_RANK']}" if cuda else "cpu")
     if cuda:

@@ -6,7 +6,7 @@ Loads the config's checkpoint (``checkpointer.checkpoint_dir``, default the
 base model) as ``python -m torchtune_ext.evaluate`` does and makes one pass
 over ``dataset_val`` per batch size. Each pass gives, from the same forwards,
 the exact validation loss (all sums over all trainable tokens, divided once:
-:class:`torchtune_ext.accounting.TokenTally`, as the recipes compute it) and
+:class:`torchtune_ext.train.accounting.TokenTally`, as the recipes compute it) and
 what averaging each batch's mean loss gives (the common implementation).
 Prints a markdown table. About 35 s per batch size for SmolLM2-135M on the
 50 validation records of the shipped config, on 2 CPU cores.
@@ -19,9 +19,9 @@ from typing import List
 import torch
 from omegaconf import OmegaConf
 
-from torchtune_ext.accounting import TokenTally
-from torchtune_ext.evaluate import load_checkpoint_for_evaluation
-from torchtune_ext.step import forward_sums, prepare_micro_batch
+from torchtune_ext.run.evaluate import load_checkpoint_for_evaluation
+from torchtune_ext.train.accounting import TokenTally
+from torchtune_ext.train.objective import forward_sums, prepare_micro_batch
 
 
 def one_pass(run) -> tuple:

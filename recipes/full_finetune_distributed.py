@@ -6,8 +6,8 @@
 ``batch_size`` is per rank: the global batch is ranks x batch_size x
 gradient_accumulation_steps, and any split of it gives the same loss and
 gradients (the step's trainable tokens are counted over all ranks before any
-forward, ``torchtune_ext.step``). The setup order, the loop and saving are
-``torchtune_ext.loop``; here: the model is built on the meta device, sharded
+forward, ``torchtune_ext.train.step``). The setup order, the loop and saving are
+``torchtune_ext.run.loop``; here: the model is built on the meta device, sharded
 per decoder layer, loaded shard by shard, and gathered to one file to save.
 """
 
@@ -18,11 +18,11 @@ from omegaconf import DictConfig
 from torchtune import config, training
 
 from torchtune_ext.config import DISTRIBUTED_KEYS
-from torchtune_ext.control import exits
-from torchtune_ext.loop import FinetuneRecipe, run_recipe
-from torchtune_ext.models import build_model, load_sharded_model_state, shard_model
-from torchtune_ext.runtime import wrap_model
-from torchtune_ext.upstream import describe_model
+from torchtune_ext.config.upstream import describe_model
+from torchtune_ext.model.build import build_model, load_sharded_model_state, shard_model
+from torchtune_ext.model.runtime import wrap_model
+from torchtune_ext.run.control import exits
+from torchtune_ext.run.loop import FinetuneRecipe, run_recipe
 
 
 class FullFinetuneRecipeDistributed(FinetuneRecipe):

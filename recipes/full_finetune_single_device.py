@@ -5,8 +5,8 @@
 
 Batch size N, or batch size 1 with N gradient accumulation steps, gives the
 same loss and gradients: each optimizer step is normalized by the trainable
-tokens of all its micro-batches (``torchtune_ext.step``). The setup order, the
-loop and saving are ``torchtune_ext.loop``; here: how the model is built (on
+tokens of all its micro-batches (``torchtune_ext.train.step``). The setup order, the
+loop and saving are ``torchtune_ext.run.loop``; here: how the model is built (on
 the device, weights loaded in place) and that the checkpoint holds all of it.
 """
 
@@ -15,11 +15,11 @@ from pathlib import Path
 from omegaconf import DictConfig
 from torchtune import config, training
 
-from torchtune_ext.control import exits
-from torchtune_ext.loop import FinetuneRecipe, run_recipe
-from torchtune_ext.models import build_model, load_model_state
-from torchtune_ext.runtime import embedding_rows_into_grad, wrap_model
-from torchtune_ext.upstream import describe_model
+from torchtune_ext.config.upstream import describe_model
+from torchtune_ext.model.build import build_model, load_model_state
+from torchtune_ext.model.runtime import embedding_rows_into_grad, wrap_model
+from torchtune_ext.run.control import exits
+from torchtune_ext.run.loop import FinetuneRecipe, run_recipe
 
 
 class FullFinetuneRecipeSingleDevice(FinetuneRecipe):

@@ -6,7 +6,7 @@
 ``batch_size`` is per rank; the step's trainable tokens are counted over all
 ranks before any forward, so any split of the global batch gives the same
 loss and gradients. The setup order, the loop and saving are
-``torchtune_ext.loop``; here: the LoRA model is built on the meta device, its
+``torchtune_ext.run.loop``; here: the LoRA model is built on the meta device, its
 adapters initialized in full on CPU from the seed (the same as on one device),
 then sharded per decoder layer and loaded shard by shard; the checkpoint is
 gathered to the single-device layout (docs/lora.md).
@@ -21,12 +21,18 @@ from torchtune import config, training
 from torchtune.modules.peft import set_trainable_params
 
 from torchtune_ext.config import DISTRIBUTED_KEYS, LORA_KEYS
-from torchtune_ext.control import exits
-from torchtune_ext.loop import FinetuneRecipe, run_recipe
-from torchtune_ext.lora import load_lora_weights, lora_checkpoint_state
-from torchtune_ext.models import adapter_params, build_model, initialize_adapters, load_sharded_model_state, shard_model
-from torchtune_ext.runtime import wrap_model
-from torchtune_ext.upstream import describe_model
+from torchtune_ext.config.upstream import describe_model
+from torchtune_ext.model.build import (
+    adapter_params,
+    build_model,
+    initialize_adapters,
+    load_sharded_model_state,
+    shard_model,
+)
+from torchtune_ext.model.lora import load_lora_weights, lora_checkpoint_state
+from torchtune_ext.model.runtime import wrap_model
+from torchtune_ext.run.control import exits
+from torchtune_ext.run.loop import FinetuneRecipe, run_recipe
 
 
 class LoRAFinetuneRecipeDistributed(FinetuneRecipe):

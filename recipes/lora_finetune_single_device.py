@@ -5,7 +5,7 @@
 
 Each optimizer step is normalized by the trainable tokens of all its
 micro-batches, as in the full-finetune recipes. The setup order, the loop and
-saving are ``torchtune_ext.loop``; here: the LoRA model is built on the device
+saving are ``torchtune_ext.run.loop``; here: the LoRA model is built on the device
 (QLoRA's low-RAM state-dict hook chosen first), the adapters initialized from
 the seed, and the checkpoint holds the adapter and the merged model (layout:
 docs/lora.md). A resume takes the base weights from the base checkpoint and
@@ -20,12 +20,12 @@ from torchtune import config, training
 from torchtune.modules.peft import set_trainable_params
 
 from torchtune_ext.config import LORA_KEYS
-from torchtune_ext.control import exits
-from torchtune_ext.loop import FinetuneRecipe, run_recipe
-from torchtune_ext.lora import load_lora_weights, lora_checkpoint_state
-from torchtune_ext.models import adapter_params, build_model, initialize_adapters, load_model_state
-from torchtune_ext.runtime import use_low_cpu_ram, wrap_model
-from torchtune_ext.upstream import describe_model
+from torchtune_ext.config.upstream import describe_model
+from torchtune_ext.model.build import adapter_params, build_model, initialize_adapters, load_model_state
+from torchtune_ext.model.lora import load_lora_weights, lora_checkpoint_state
+from torchtune_ext.model.runtime import use_low_cpu_ram, wrap_model
+from torchtune_ext.run.control import exits
+from torchtune_ext.run.loop import FinetuneRecipe, run_recipe
 
 
 class LoRAFinetuneRecipeSingleDevice(FinetuneRecipe):

@@ -49,7 +49,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="session")
 def smollm2_assets() -> Path:
     """The repository's ``assets/`` folder; skips the test if the download has not been run."""
-    from torchtune_ext.assets import (
+    from torchtune_ext.data.assets import (
         ALPACA_RELPATH,
         SHAKESPEARE_RELPATH,
         SMOLLM2_DIRNAME,
@@ -124,8 +124,8 @@ def cfg(tmp_path):
     data.write_text("[]")
     return OmegaConf.create({
         "output_dir": str(tmp_path / "out"),
-        "model": {"_component_": "torchtune_ext.models.tiny_llama"},
-        "tokenizer": {"_component_": "torchtune_ext.tokenizer.smollm2_tokenizer", "path": str(ckpt)},
+        "model": {"_component_": "torchtune_ext.model.builders.tiny_llama"},
+        "tokenizer": {"_component_": "torchtune_ext.data.tokenizer.smollm2_tokenizer", "path": str(ckpt)},
         "dataset": {"_component_": "torchtune.datasets.alpaca_dataset", "source": "json", "data_files": str(data)},
         "checkpointer": {"_component_": "torchtune.training.FullModelHFCheckpointer", "checkpoint_dir": str(ckpt),
                          "checkpoint_files": ["model.safetensors"]},

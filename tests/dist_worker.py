@@ -6,14 +6,14 @@
 Each case trains a freshly initialised tiny Llama (same seed on every rank
 and in every case) for a few SGD steps, through the same pieces the
 distributed recipe uses: ``StepLoader`` (the step's samples over ranks,
-stand-ins), ``torchtune_ext.distributed.shard_model`` and
+stand-ins), ``torchtune_ext.parallel.fsdp.shard_model`` and
 ``load_full_model_state_dict``, and ``train_step``. Rank 0 saves, per case,
 the per-step results, the full trained parameters and how many gradient
 reduce-scatters each step ran. All cases share one process group, so one
 launch serves many cases.
 
 A case is a dict with ``name``, ``batch_size``, ``grad_accum``, ``once``
-(backward_once_per_step), ``num_samples``, ``model`` ("full" or "lora") and
+(``once``: backward once per step, else per micro-batch), ``num_samples``, ``model`` ("full" or "lora") and
 optionally ``clip`` (max grad norm), ``max_steps``, ``cpu_offload``,
 ``grouped`` (group_by_length), ``budget`` (max_tokens_per_micro_batch),
 ``pack`` (pack_micro_batches: the step's samples in rows of at most ``budget`` tokens),
@@ -30,7 +30,7 @@ KV head), ``optim_in_bwd`` (one SGD per parameter, stepped in backward) and
 ``sharded`` (custom_sharded_layers: modules with an FSDP unit of their own).
 
 An evaluation case (``kind: "eval"``) instead runs one validation pass
-(:func:`torchtune_ext.evaluate.evaluate`) over ``helpers.synthetic_val_dataset``
+(:func:`torchtune_ext.run.evaluate.evaluate`) over ``helpers.synthetic_val_dataset``
 with ``batch_size`` samples per micro-batch per rank (and optionally
 ``packed``, ``grouped``, ``budget``, ``chunks``: output chunks of the model),
 on the same initial weights, and saves what it measured.
@@ -48,15 +48,15 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
-from helpers import IGNORE, VOCAB
-from torchtune_ext import distributed
+from helpers import IGNORE, VOCAB, backward_mode
+from torchtune_ext import parallel as distributed
 from torchtune_ext.data import StepLoader, build_dataset, make_collate
-from torchtune_ext.evaluate import build_eval_loader, evaluate
-from torchtune_ext.loss import SummedCrossEntropyLoss
-from torchtune_ext.memory import MemoryGuard
-from torchtune_ext.models import lora_tiny_llama, tiny_llama
-from torchtune_ext.optim_in_bwd import OptimizerInBackward
-from torchtune_ext.step import train_step
+from torchtune_ext.model.builders import lora_tiny_llama, tiny_llama
+from torchtune_ext.run.evaluate import build_eval_loader, evaluate
+from torchtune_ext.train.loss import SummedCrossEntropyLoss
+from torchtune_ext.train.memory import MemoryGuard
+from torchtune_ext.train.optim_in_bwd import OptimizerInBackward
+from torchtune_ext.train.step import train_step
 
 CPU = torch.device("cpu")
 EVAL_EMBEDDING_STD = 0.3
@@ -179,7 +179,7 @@ def run_case(case: dict, rank: int, world_size: int) -> dict:
         before = reduce_scatters[0]
         if case.get("late_rank") == rank:  # this rank reaches the step's collectives later than the others
             time.sleep(LATE_SECONDS)
-        r = train_step(model, optimizer, loss_fn, window, device=CPU, backward_once_per_step=case["once"],
+        r = train_step(model, optimizer, loss_fn, window, device=CPU, backward=backward_mode(case["once"]),
                        clip_grad_norm=case.get("clip"), step=i + 1, memory_guard=guard,
                        baseline=step_data.baseline if case.get("guard_baseline") else None)
         modes.append(None if guard is None else guard.once_per_step)

@@ -12,8 +12,8 @@ import os
 import signal
 
 from recipes import full_finetune_distributed as recipe
-from torchtune_ext import loop
-from torchtune_ext.control import exits
+from torchtune_ext.run import loop
+from torchtune_ext.run.control import exits
 
 KILL_AFTER_STEP = 3
 build_metric_logger = loop.build_metric_logger

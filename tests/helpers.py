@@ -11,7 +11,7 @@ import torch
 from torchtune.data import padded_collate_sft
 from torchtune.models.llama3_2 import llama3_2
 
-from torchtune_ext.loss import SummedCrossEntropyLoss
+from torchtune_ext.train.loss import SummedCrossEntropyLoss
 
 IGNORE = -100
 VOCAB = 128
@@ -43,7 +43,7 @@ def tiny_lora_model(seed: int = 0, vocab_size: int = VOCAB, lora_b_std: float = 
     """
     from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
-    from torchtune_ext.models import lora_tiny_llama
+    from torchtune_ext.model.builders import lora_tiny_llama
 
     torch.manual_seed(seed)
     model = lora_tiny_llama(
@@ -248,7 +248,7 @@ def constant_loss_sample(token_id, n_trainable):
 
 
 def write_tiny_hf_checkpoint(path, seed: int = 0, embedding_std=None) -> Dict[str, torch.Tensor]:
-    """Save a random ``torchtune_ext.models.tiny_llama()`` as an HF checkpoint folder.
+    """Save a random ``torchtune_ext.model.builders.tiny_llama()`` as an HF checkpoint folder.
 
     The folder holds ``model.safetensors`` (HF key names, as
     ``FullModelHFCheckpointer(model_type="LLAMA3_2")`` reads them) and a
@@ -266,7 +266,7 @@ def write_tiny_hf_checkpoint(path, seed: int = 0, embedding_std=None) -> Dict[st
     from safetensors.torch import save_file
     from torchtune.models import convert_weights
 
-    from torchtune_ext.models import tiny_llama
+    from torchtune_ext.model.builders import tiny_llama
 
     torch.manual_seed(seed)
     model = tiny_llama()  # 4 heads, 2 kv heads, width 64
@@ -390,3 +390,9 @@ def deny(monkeypatch, folder):
         return real_stat(path, *args, **kwargs)
 
     monkeypatch.setattr(os, "stat", stat)
+
+
+def backward_mode(once: bool) -> str:
+    """The ``backward`` mode of a test that runs both: ``auto`` (one backward per step where it fits: always,
+    without a memory guard), or one backward per micro-batch."""
+    return "auto" if once else "per_micro_batch"

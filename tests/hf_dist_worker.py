@@ -13,7 +13,7 @@ turns clipping off, default 1.0).
 Each case builds the tiny HF model of FOLDER the way the distributed recipes
 will: ``causal_lm`` on the meta device, optionally activation checkpointing
 (``ac``), LoRA (``lora``: torchtune's LoRA keys, adapters from one seed, B
-made nonzero by the first steps), ``torchtune_ext.hf.shard_model`` (FSDP2 per decoder layer, with
+made nonzero by the first steps), ``torchtune_ext.model.hf.shard_model`` (FSDP2 per decoder layer, with
 ``cpu_offload``), the HF checkpointer's state dict loaded with
 ``distributed.load_full_model_state_dict``, the loss owning the output
 projection, then a few SGD steps of ``train_step`` over the step's samples
@@ -29,12 +29,14 @@ from types import SimpleNamespace
 import torch
 from omegaconf import OmegaConf
 
-from helpers import IGNORE
-from torchtune_ext import distributed, hf, ranks
+from helpers import IGNORE, backward_mode
+from torchtune_ext import parallel as distributed
+from torchtune_ext import ranks
 from torchtune_ext.data import StepLoader, build_dataset, make_collate
-from torchtune_ext.loss import SummedCrossEntropyLoss
-from torchtune_ext.optim_in_bwd import build_optimizer
-from torchtune_ext.step import train_step
+from torchtune_ext.model import hf
+from torchtune_ext.train.loss import SummedCrossEntropyLoss
+from torchtune_ext.train.optim_in_bwd import build_optimizer
+from torchtune_ext.train.step import train_step
 
 CPU = torch.device("cpu")
 
@@ -71,7 +73,7 @@ def run_case(folder: str, case: dict) -> dict:
     steps = []
     for i, step_data in enumerate(loader.epoch(0)):
         r = train_step(model, optimizer, loss_fn, step_data.micro_batches, device=CPU,
-                       backward_once_per_step=case["once"], clip_grad_norm=case.get("clip", 1.0), step=i + 1,
+                       backward=backward_mode(case["once"]), clip_grad_norm=case.get("clip", 1.0), step=i + 1,
                        dp_group=None if case.get("count_all_ranks") else parallelism.dp_group)
         steps.append({"loss": r.loss, "grad_norm": r.grad_norm, "num_tokens": r.num_tokens})
     unit_names = [name for name, module in model.named_modules() if module in units]

@@ -1,4 +1,4 @@
-"""Tiny random transformers models written as Hugging Face folders, for the torchtune_ext.hf tests.
+"""Tiny random transformers models written as Hugging Face folders, for the torchtune_ext.model.hf tests.
 
 Each family's config comes from ``AutoConfig.for_model`` at toy size, the
 weights from ``from_config`` (seeded), and ``save_pretrained`` writes the
@@ -131,7 +131,7 @@ class TinyFolders:
 def build_loaded(folder: Path, **kwargs):
     """The recipes' flow: ``causal_lm`` on the meta device (fp32), the checkpointer's state dict loaded into it
     (``text_only`` goes to both, as configs/hf/*.yaml pass it)."""
-    from torchtune_ext.hf import HFCheckpointer, causal_lm, load_state
+    from torchtune_ext.model.hf import HFCheckpointer, causal_lm, load_state
 
     checkpointer = HFCheckpointer(folder, folder.parent / f"{folder.name}_unused_out",
                                   text_only=kwargs.get("text_only", False))
@@ -149,7 +149,7 @@ def our_token_losses(model, tokens: torch.Tensor, shifted: torch.Tensor, ignore_
     position of ``shifted`` (labels after the shift) alone (``[n]``, in ``nonzero()`` order), and the loss of
     all of them at once (a 0-d tensor).
     """
-    from torchtune_ext.loss import SummedCrossEntropyLoss
+    from torchtune_ext.train.loss import SummedCrossEntropyLoss
 
     loss_fn = SummedCrossEntropyLoss(num_output_chunks=1, ignore_index=ignore_index)
     loss_fn.take_output_projection(model)

@@ -23,9 +23,9 @@ import torch.distributed as dist
 
 import resume_jobs
 from helpers import freeze_import_time_objects
-from torchtune_ext import distributed
+from torchtune_ext import parallel as distributed
 from torchtune_ext.config import ConfigError
-from torchtune_ext.control.run_lock import OutputDirLock, check_not_in_use
+from torchtune_ext.run.control.run_lock import OutputDirLock, check_not_in_use
 
 # A native crash prints every thread's Python stack (rank 0 of this launch once died of
 # SIGSEGV under a loaded machine, with nothing to show where).

@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from test_sharded_checkpoint import _llama, _progress, _trained
 from torch.distributed.checkpoint import FileSystemWriter
 
-from torchtune_ext import distributed
+from torchtune_ext import parallel as distributed
 from torchtune_ext.checkpoint import CheckpointManager
 from torchtune_ext.errors import CheckpointSaveError
 

@@ -6,13 +6,13 @@ import json
 import pytest
 import torch
 
-from torchtune_ext import download
-from torchtune_ext.assets import (
+from torchtune_ext.data.assets import (
     DOWNLOAD_COMMAND,
     MissingAssetError,
     check_asset,
     require_assets,
 )
+from torchtune_ext.tools import download
 
 # ---------------------------------------------------------------- missing assets
 
@@ -144,7 +144,7 @@ def test_passages_strip_gutenberg_and_normalize_whitespace():
 def test_qk_permutations_are_inverse_and_match_torchtune():
     from torchtune.models.convert_weights import hf_to_tune
 
-    from torchtune_ext.gguf_to_hf import permute_qk_to_hf, permute_qk_to_interleaved
+    from torchtune_ext.tools.gguf_to_hf import permute_qk_to_hf, permute_qk_to_interleaved
 
     n_heads, head_dim, dim = 3, 8, 12
     hf_q = torch.randn(n_heads * head_dim, dim)
@@ -178,8 +178,8 @@ def _cross_entropy(model, tokens):
 def smollm2(smollm2_assets, tmp_path_factory):
     from torchtune.training import FullModelHFCheckpointer
 
-    from torchtune_ext.models import smollm2_135m
-    from torchtune_ext.tokenizer import smollm2_tokenizer
+    from torchtune_ext.data.tokenizer import smollm2_tokenizer
+    from torchtune_ext.model.builders import smollm2_135m
 
     ckpt = FullModelHFCheckpointer(
         checkpoint_dir=str(smollm2_assets / "SmolLM2-135M-Instruct"),
@@ -241,8 +241,8 @@ def test_wrong_qk_layout_is_caught(smollm2, smollm2_assets):
     from safetensors.torch import load_file
     from torchtune.models.convert_weights import hf_to_tune
 
-    from torchtune_ext.gguf_to_hf import permute_qk_to_interleaved
-    from torchtune_ext.models import smollm2_135m
+    from torchtune_ext.model.builders import smollm2_135m
+    from torchtune_ext.tools.gguf_to_hf import permute_qk_to_interleaved
 
     model, tok = smollm2
     tokens = tok.encode(PARAGRAPH, add_bos=False, add_eos=False)

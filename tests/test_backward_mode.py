@@ -1,10 +1,11 @@
-"""The `backward` key (issue 33, U3): auto, once_per_step, per_micro_batch, and the older backward_once_per_step.
+"""The `backward` key (issue 33, U3): auto, once_per_step, per_micro_batch; the older backward_once_per_step is gone.
 
 auto decides per step (the memory guard) and says nothing above DEBUG: the decision is what was asked for.
 once_per_step always keeps every micro-batch's graph for one backward, and says once when the guard
 predicts that the device lacks the memory. per_micro_batch always runs a backward per micro-batch.
 """
 
+import importlib
 import logging
 
 import pytest
@@ -12,8 +13,8 @@ import torch
 
 from helpers import RecordingLoss, collate, instruct_samples, rel_diff, tiny_model
 from torchtune_ext.config import ConfigError, validate
-from torchtune_ext.memory import MemoryGuard, MicroBatchShape
-from torchtune_ext.step import forward_backward, train_step
+from torchtune_ext.train.memory import MemoryGuard, MicroBatchShape
+from torchtune_ext.train.step import forward_backward, train_step
 
 CPU = torch.device("cpu")
 TORCHTUNE_LOGGER = "torchtune.utils._logging"  # the memory guard's (torchtune's logger, level INFO of its own)
@@ -36,48 +37,44 @@ def test_backward_takes_three_values(cfg):  # noqa: F811
         validate(cfg)
 
 
-@pytest.mark.parametrize("old,backward,mode,words", [
-    (True, None, "auto", "backward_once_per_step=true runs as backward=auto"),
-    (False, None, "per_micro_batch", "backward_once_per_step=false runs as backward=per_micro_batch"),
-    # the shipped configs say backward: auto; an old override on top of them still applies
-    (False, "auto", "per_micro_batch", "backward_once_per_step=false runs as backward=per_micro_batch"),
-    # agreeing with the given backward (a saved, validated config holds both): nothing to say
-    (True, "auto", "auto", None),
-    (True, "once_per_step", "once_per_step", None),
-    (False, "per_micro_batch", "per_micro_batch", None),
-])
-def test_the_older_key_still_works_and_says_so_once(cfg, caplog, monkeypatch, old, backward, mode, words):  # noqa: F811
+@pytest.mark.parametrize("old,meant", [(True, "auto"), (False, "per_micro_batch")])
+def test_the_removed_older_key_alone_is_one_line_naming_what_replaces_it(cfg, old, meant):  # noqa: F811
     cfg.backward_once_per_step = old
-    if backward is not None:
-        cfg.backward = backward
-    for rank, said in (("1", False), ("0", words is not None)):  # validate runs on every rank: one line per job
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    assert err.value.key == "backward_once_per_step" and "\n" not in str(err.value)
+    assert "was removed" in str(err.value) and f"use backward={meant} for backward_once_per_step={str(old).lower()}" \
+        in str(err.value)
+
+
+@pytest.mark.parametrize("old,backward", [(False, "once_per_step"), (True, "per_micro_batch"), (False, "auto")])
+def test_the_removed_key_contradicting_backward_is_an_error(cfg, old, backward):  # noqa: F811
+    cfg.backward_once_per_step, cfg.backward = old, backward
+    with pytest.raises(ConfigError, match="'backward_once_per_step': was removed"):
+        validate(cfg)
+
+
+@pytest.mark.parametrize("old,backward", [(True, "auto"), (True, "once_per_step"), (False, "per_micro_batch")])
+def test_a_saved_config_with_both_keys_runs_with_one_warning_and_drops_the_old_one(cfg, caplog, monkeypatch, old,
+                                                                                   backward):  # noqa: F811
+    cfg.backward_once_per_step, cfg.backward = old, backward  # what earlier versions wrote to logs/config_N.yaml
+    for rank, said in (("1", 0), ("0", 1)):  # validate runs on every rank: one line per job
         monkeypatch.setenv("RANK", rank)
         caplog.clear()
         with caplog.at_level(logging.INFO):
             out = validate(cfg.copy())
-        assert out.backward == mode
+        assert out.backward == backward and "backward_once_per_step" not in out
         lines = [r.getMessage() for r in caplog.records if "backward_once_per_step" in r.getMessage()]
-        assert len(lines) == int(said), (rank, lines)
-    if words is not None:
-        assert words in lines[0] and "older name" in lines[0]
-    caplog.clear()
-    with caplog.at_level(logging.INFO):  # validated again (its saved copy): the same mode, no line
-        assert validate(out).backward == mode
-    assert "backward_once_per_step" not in caplog.text
+        assert len(lines) == said, (rank, lines)
+    assert "was removed" in lines[0] and f"backward={backward} applies" in lines[0]
 
 
-@pytest.mark.parametrize("old,backward", [(False, "once_per_step"), (True, "per_micro_batch")])
-def test_the_two_keys_contradicting_each_other_is_an_error(cfg, old, backward):  # noqa: F811
-    cfg.backward_once_per_step, cfg.backward = old, backward
-    with pytest.raises(ConfigError, match=f"'backward_once_per_step'.*{str(old).lower()} contradicts "
-                                          f"backward={backward}.*remove backward_once_per_step"):
-        validate(cfg)
+def test_the_removed_key_on_the_command_line_gets_the_same_line(cfg, monkeypatch):  # noqa: F811
+    validate_module = importlib.import_module("torchtune_ext.config.validate")
 
-
-@pytest.mark.parametrize("value", ["yes", 1])
-def test_the_older_key_must_be_boolean(cfg, value):  # noqa: F811
-    cfg.backward_once_per_step = value
-    with pytest.raises(ConfigError, match="'backward_once_per_step'.*true or false"):
+    monkeypatch.setattr(validate_module, "_command_line_keys", ("backward_once_per_step",))
+    cfg.backward_once_per_step = False
+    with pytest.raises(ConfigError, match="use backward=per_micro_batch"):
         validate(cfg)
 
 
@@ -151,12 +148,12 @@ def test_auto_falls_back_for_the_device_quietly(caplog):
     assert not [r for r in caplog.records if "backward" in r.getMessage()]
 
 
-def test_the_older_argument_still_selects_the_mode():
-    once, _, _ = step_modes(None, PLENTY, backward_once_per_step=True)  # true: auto
-    each, _, _ = step_modes(None, PLENTY, backward_once_per_step=False)
-    assert once == [False] * 9 and each == [False] * 9
+def test_without_a_guard_once_per_step_and_auto_keep_every_graph_and_unknown_modes_are_refused():
     model, loss_fn = model_and_loss()
-    forward_backward(model, loss_fn, micro_batches(), device=CPU, backward_once_per_step=True)  # no guard: once
+    forward_backward(model, loss_fn, micro_batches(), device=CPU, backward="auto")  # no guard: once
+    assert loss_fn.recomputed == [True] * 3
+    model, loss_fn = model_and_loss()
+    forward_backward(model, loss_fn, micro_batches(), device=CPU, backward="once_per_step")  # no guard: once
     assert loss_fn.recomputed == [True] * 3
     with pytest.raises(ValueError, match="backward must be one of auto, once_per_step, per_micro_batch"):
         forward_backward(model, loss_fn, micro_batches(), device=CPU, backward="once")

@@ -10,10 +10,10 @@ from omegaconf import OmegaConf
 
 from torchtune_ext.checkpoint import CheckpointManager
 from torchtune_ext.config import ConfigError, UserError, validate
-from torchtune_ext.control.command_line import check_command_line
 from torchtune_ext.data import build_dataset
-from torchtune_ext.preflight import check_components
-from torchtune_ext.resume import check_resume_point
+from torchtune_ext.run.control.command_line import check_command_line
+from torchtune_ext.run.preflight import check_components
+from torchtune_ext.run.resume import check_resume_point
 
 IGNORE = -100
 
@@ -56,7 +56,7 @@ def test_yaml_syntax_error_names_file_line_and_column(yaml_file):
 ], ids=["missing", "remove-component", "remove-unknown", "no-value", "flag", "two-configs",
         "two-configs-equals", "same-config-twice"])
 def test_command_line_mistakes(yaml_file, argv, words):
-    path = yaml_file("model:\n  _component_: torchtune_ext.models.tiny_llama\nbatch_size: 2\n")
+    path = yaml_file("model:\n  _component_: torchtune_ext.model.builders.tiny_llama\nbatch_size: 2\n")
     with pytest.raises(UserError) as err:
         check_command_line([path if a == "FILE" else a.replace("=FILE", f"={path}") for a in argv])
     for word in words:
@@ -75,8 +75,8 @@ def tiny_cfg(tiny_run):
     ("optimizer.lr=abc", "optimizer.lr", ["expects a number", "'abc'"]),
     ("optimizer.betaz=[0.9,0.9]", "optimizer.betaz", ["not an argument of torch.optim.AdamW", "'betas'"]),
     ("lr_scheduler.num_warmup_steps=abc", "lr_scheduler.num_warmup_steps", ["expects a number"]),
-    ("model._component_=torchtune_ext.models.no_such_model", "model._component_",
-     ["'torchtune_ext.models' has no attribute 'no_such_model'"]),
+    ("model._component_=torchtune_ext.model.no_such_model", "model._component_",
+     ["'torchtune_ext.model' has no attribute 'no_such_model'"]),
     ("tokenizer._component_=no_such_package.tok", "tokenizer._component_", ["no module 'no_such_package'"]),
     ("model.num_heads=3", "model", ["cannot build this model", "num_heads"]),
     # refused as a loss, not for an argument (num_output_chunks) that only ours takes
@@ -124,7 +124,7 @@ def test_wandb_that_cannot_start_is_one_config_error(tiny_cfg, tmp_path, monkeyp
     """mode=online without an API key: wandb.init raises UsageError when the logger starts (setup rolls back)."""
     import wandb
 
-    from torchtune_ext.metrics import build_metric_logger
+    from torchtune_ext.run.metrics import build_metric_logger
 
     def refuse(**kwargs):
         raise wandb.errors.UsageError("No API key configured. Use `wandb login` to log in.")
@@ -151,7 +151,7 @@ def test_metric_logger_log_dir_under_a_file_is_checked_before_loading(tiny_cfg, 
 @pytest.mark.parametrize("component", [[], ["profiler._component_=torchtune.training.setup_torch_profiler"]],
                          ids=["no-component", "component"])
 def test_profiler_arguments_are_checked_before_loading(tiny_cfg, component):
-    """torchtune_ext.runtime.build_profiler calls setup_torch_profiler with the section only after the model has
+    """torchtune_ext.run.diagnostics.build_profiler calls setup_torch_profiler with the section only after the model has
     loaded; the section may leave out its _component_."""
     with pytest.raises(ConfigError, match=r"^config key 'profiler.foo': is not an argument of "
                        r"torchtune.training.setup_torch_profiler$"):
@@ -174,7 +174,7 @@ def test_packed_rows_longer_than_the_model_takes(tiny_cfg):
 
 def test_adapter_on_a_tied_output_projection(tiny_cfg):
     cfg = tiny_cfg()
-    cfg.model = {"_component_": "torchtune_ext.models.lora_tiny_llama", "lora_attn_modules": ["q_proj"],
+    cfg.model = {"_component_": "torchtune_ext.model.builders.lora_tiny_llama", "lora_attn_modules": ["q_proj"],
                  "apply_lora_to_mlp": False, "apply_lora_to_output": True, "lora_rank": 4, "lora_alpha": 8}
     with pytest.raises(ConfigError, match="'model.apply_lora_to_output'.*token embedding \\(tied weights\\)") as err:
         check_components(cfg, CPU)
@@ -365,8 +365,8 @@ def test_launcher_exits_quietly_when_the_workers_reported(tmp_path, capsys, monk
                                                          launcher_signal_handlers):
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from torchtune_ext.control.launcher import quiet_reported_failures
     from torchtune_ext.errors import OUTCOME_FILE_ENV
+    from torchtune_ext.run.control.launcher import quiet_reported_failures
 
     monkeypatch.setenv(OUTCOME_FILE_ENV, "")  # restored afterwards: the launcher sets it for its workers
 
@@ -398,8 +398,8 @@ def test_launcher_signalled_too_exits_with_rank0s_recorded_status(monkeypatch, c
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    from torchtune_ext.control import exits, launcher
     from torchtune_ext.errors import OUTCOME_FILE_ENV
+    from torchtune_ext.run.control import exits, launcher
 
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv(OUTCOME_FILE_ENV, "")  # restored afterwards: the launcher sets it for its workers
@@ -433,13 +433,13 @@ def test_the_error_line_comes_after_the_wandb_summary_and_the_run_is_marked_fail
 
     ends = {  # an expected error (74), and a stop on a signal (75: the recipe then closes its logger)
         74: "report_and_exit('error: the line to read last', 74)\n",
-        75: ("import torch\nfrom torchtune_ext.control.preemption import GracefulStop\n"
+        75: ("import torch\nfrom torchtune_ext.run.control.preemption import GracefulStop\n"
              "sys.exit(GracefulStop(torch.device('cpu')).stop(sys.argv[1], 5))\n"),
     }
     for status, end in ends.items():
         folder = tmp_path / str(status)
         script = ("import sys, wandb\n"
-                  "from torchtune_ext.control.exits import report_and_exit\n"
+                  "from torchtune_ext.run.control.exits import report_and_exit\n"
                   "wandb.init(mode='offline', dir=sys.argv[1], project='p')\n"
                   "wandb.log({'loss': 1.0})\n" + end)
         proc = subprocess.run([sys.executable, "-c", script, str(folder)], cwd=REPO_ROOT, stdout=subprocess.PIPE,
@@ -480,7 +480,7 @@ def test_packed_documents_with_nothing_to_learn_are_counted_but_not_split_fragme
     from torchtune.datasets import PackedDataset
 
     from helpers import instruct_samples
-    from torchtune_ext.data_check import check_dataset
+    from torchtune_ext.data.check import check_dataset
 
     samples = instruct_samples([3, 4, 5, 2], [5, 0, 6, 9])  # sample 1: prompt only, nothing to learn
     report = check_dataset(PackedDataset(samples, max_seq_len=16, padding_idx=0), {"data_files": "x.json"},
@@ -599,7 +599,7 @@ def test_the_last_line_comes_after_the_progress_bars_final_redraw(capsys):
 
     from tqdm import tqdm
 
-    from torchtune_ext.control.exits import write_line
+    from torchtune_ext.run.control.exits import write_line
 
     bar = tqdm(total=4, file=sys.stderr)
     bar.update(1)
@@ -613,8 +613,8 @@ def test_torchrun_closing_the_other_workers_is_not_logged_after_rank0s_last_line
     warning for the workers still running would follow that line: it is dropped then, and only then."""
     import logging
 
-    from torchtune_ext.control import exits, launcher
     from torchtune_ext.errors import OUTCOME_FILE_ENV
+    from torchtune_ext.run.control import exits, launcher
 
     records = [logging.LogRecord("torch.distributed.elastic.multiprocessing.api", logging.WARNING, "api.py", 1,
                                  "Sending process %s closing signal %s", (1234, "SIGTERM"), None),
@@ -756,7 +756,7 @@ def test_an_unknown_key_in_the_yaml_file_is_a_warning_and_named_again_at_the_end
 
 
 def test_command_line_keys_are_those_of_the_overrides(yaml_file):
-    path = yaml_file("model:\n  _component_: torchtune_ext.models.tiny_llama\nbatch_size: 2\n")
+    path = yaml_file("model:\n  _component_: torchtune_ext.model.builders.tiny_llama\nbatch_size: 2\n")
     assert check_command_line(["--config", path, "batch_size=3", "~batch_size", "model.embed_dim=32",
                                "optimzer.lr=1"]) == ["batch_size", "model.embed_dim", "optimzer.lr"]
 

@@ -173,7 +173,7 @@ def test_summary_comparison_and_targets():
     assert [t["met"] for t in targets] == [True, False, True, True]  # no 2-process group: not met, no values
     assert targets[2]["values"][0]["ratio"] == pytest.approx(1.05)
     table = report.results_table(cases, groups, [g1.name])
-    assert "| full · 1 device · GA 1 | ours, backward_once_per_step=true |" in table
+    assert "| full · 1 device · GA 1 | ours, backward=auto |" in table
     assert "1.25" in table
     assert "GA 8" in report.memory_table(cases)
     assert "not met" not in report.targets_table(targets).splitlines()[2]
@@ -191,7 +191,7 @@ def test_commands_give_both_implementations_the_same_settings(tmp_path):
     ours = command(Case(group, OURS_EACH), profile, tmp_path / "o")
     shared = {a for a in up if "=" in a and not a.startswith("output_dir")}
     assert shared <= set(ours)
-    assert "backward_once_per_step=false" in ours and "--upstream" in up
+    assert "backward=per_micro_batch" in ours and "--upstream" in up
     assert up[:5] == ours[:5] and "--nproc_per_node=2" in up
     assert "gradient_accumulation_steps=4" in up and "seed=0" in up
 
@@ -227,16 +227,17 @@ def test_every_profile_case_has_a_recipe_and_config():
 
 def test_probes_find_what_they_time_in_torchtune_ext():
     """bench.launch times these by name; a rename must fail here, not silently stop measuring."""
-    from torchtune_ext import accounting, data, step
-    from torchtune_ext.metrics import MetricLogger, reporter
+    from torchtune_ext.data import datasets
+    from torchtune_ext.run.metrics import MetricLogger, reporter
+    from torchtune_ext.train import accounting, objective
 
     for name in ("count_trainable_tokens", "global_sum"):
         assert callable(getattr(accounting, name))
-    assert callable(step.prepare_micro_batch)
+    assert callable(objective.prepare_micro_batch)
     # looked up in the step reporter's module when a step starts and ends
     assert callable(reporter.step_record) and callable(MetricLogger.log)
     assert callable(reporter.reset_peak_memory)
-    assert hasattr(data, "padded_collate_sft")  # make_collate looks it up at call time
+    assert hasattr(datasets, "padded_collate_sft")  # make_collate looks it up at call time
 
 
 def test_render_rebuilds_the_tables_from_a_results_json(tmp_path):
@@ -261,7 +262,7 @@ def test_render_rebuilds_the_tables_from_a_results_json(tmp_path):
     args = argparse.Namespace(results_dir=tmp_path / "out", work_dir=tmp_path / "work")
     assert render(path, args) == 0
     text = (tmp_path / "out" / "quick.md").read_text()
-    assert "| full · 1 device · GA 1 | ours, backward_once_per_step=true |" in text
+    assert "| full · 1 device · GA 1 | ours, backward=auto |" in text
     assert "| 2.00 (2.00–2.00) |" in text  # ratio of the medians, range of the per-repeat ratios
     assert "| upstream_clip_grad_norm_ | 0.100 | 1.0e-09 |" in text
     assert json.loads((tmp_path / "out" / "quick.json").read_text())["summary"]["cases"]
@@ -341,11 +342,11 @@ def test_the_transformers_path_trains_as_the_torchtune_path(name, tmp_path):
     hf = _recipe_config(hf_cmd)
     assert hf_cmd[hf_cmd.index("--config") + 1] == TRANSFORMERS_CONFIGS["full"]
     assert _differences(tt, hf, MODEL_KEYS) == []
-    assert hf["model"]["_component_"] == "torchtune_ext.hf.causal_lm"
-    assert tt["model"]["_component_"] == "torchtune_ext.models.smollm2_135m"
+    assert hf["model"]["_component_"] == "torchtune_ext.model.hf.causal_lm"
+    assert tt["model"]["_component_"] == "torchtune_ext.model.builders.smollm2_135m"
     assert hf["model"]["path"] == hf["checkpointer"]["checkpoint_dir"] == tt["checkpointer"]["checkpoint_dir"]
     assert hf["tokenizer"]["max_seq_len"] == profile.max_seq_len_of(group)
-    assert hf["backward_once_per_step"] is False and hf["enable_activation_checkpointing"] is False
+    assert hf["backward"] == "per_micro_batch" and hf["enable_activation_checkpointing"] is False
 
     # what the alignment does: without it, the two configs differ in these keys (among others)
     start = hf_cmd.index("--config") + 2
@@ -421,9 +422,9 @@ def test_transformers_report_ratios_targets_and_table():
              for c, runs in ((tt_case, tt), (hf_case, hf))}
     table = report.transformers_table(cases, groups, [group.name], {tt_case.name: tt, hf_case.name: hf}, 2)
     rows = {line.split(" | ")[1]: line for line in table.splitlines()[2:]}
-    hf_row = rows["ours, transformers model (configs/hf), backward_once_per_step=false"]
+    hf_row = rows["ours, transformers model (configs/hf), backward=per_micro_batch"]
     # per-step medians over both repeats: torchtune path steps at 100, 100, 50, 50 tokens/s -> 75
-    assert "| 75 |" in rows["ours, backward_once_per_step=false"]
+    assert "| 75 |" in rows["ours, backward=per_micro_batch"]
     assert "| 0.900 (0.90–0.90) | 0.900 |" in hf_row and "| 1.048 |" in hf_row and "| 2.0e-06 |" in hf_row
     assert "| 2.50 |" in hf_row  # the median load average sampled during its runs
 

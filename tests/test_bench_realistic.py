@@ -70,11 +70,11 @@ def test_every_group_of_the_8x4_family_has_32_samples_per_step():
 def test_variant_overrides():
     case, p = _case("full_1dev_ga4_b8", OURS_UNGROUPED)
     o = run_overrides(case, p, OUT)
-    assert _value(o, "group_by_length") == "false" and _value(o, "backward_once_per_step") == "true"
+    assert _value(o, "group_by_length") == "false" and _value(o, "backward") == "auto"
     assert _value(o, "batch_size") == "8" and _value(o, "tokenizer.max_seq_len") == "512"
     once = run_overrides(*_case("full_1dev_ga4_b8", OURS_ONCE), OUT)
-    assert _value(once, "group_by_length") is None and _value(once, "backward_once_per_step") == "true"
-    assert _value(run_overrides(*_case("full_1dev_ga4_b8", OURS_EACH), OUT), "backward_once_per_step") == "false"
+    assert _value(once, "group_by_length") is None and _value(once, "backward") == "auto"
+    assert _value(run_overrides(*_case("full_1dev_ga4_b8", OURS_EACH), OUT), "backward") == "per_micro_batch"
     device = run_overrides(*_case("full_1dev_ga4_b8", OURS_ONCE_DEVICE), OUT)
     assert _value(device, "once_per_step_memory_limit") == "device"
     assert _value(once, "once_per_step_memory_limit") is None
@@ -86,7 +86,7 @@ def test_variant_overrides():
     budget = run_overrides(*_case("full_1dev_ga4_b1", OURS_BUDGET), OUT)
     # the budget holds the group's 4 samples of at most 256 tokens: the step is one micro-batch
     assert int(_value(budget, "max_tokens_per_micro_batch")) == 4 * int(_value(budget, "tokenizer.max_seq_len"))
-    assert _value(budget, "backward_once_per_step") == "true" and _value(budget, "batch_size") == "1"
+    assert _value(budget, "backward") == "auto" and _value(budget, "batch_size") == "1"
     packed = run_overrides(*_case("full_1dev_ga4_b1", OURS_PACKED), OUT)
     assert _value(packed, "pack_micro_batches") == "true"
     assert _value(packed, "max_tokens_per_micro_batch") == _value(budget, "max_tokens_per_micro_batch")
@@ -102,7 +102,7 @@ def test_hf_trainer_command():
     assert cmd[cmd.index("--out") + 1] == str(OUT / "probe.json")
     assert cmd[cmd.index("--config") + 1] == "configs/smollm2/135M_full_single_device.yaml"
     assert "seed=0" in cmd and "gradient_accumulation_steps=4" in cmd and "batch_size=1" in cmd
-    assert not any(a.startswith(("backward_once_per_step", "metric_logger")) for a in cmd)
+    assert not any(a.startswith(("backward=", "metric_logger")) for a in cmd)
 
 
 def test_command_line_sizes_apply_to_every_group():

@@ -21,10 +21,12 @@ from torchtune_ext.checkpoint import (
     latest_checkpoint,
     list_checkpoints,
     load_recipe_state,
+    run_saves,
     tensor_bytes,
     verify_checkpoint,
     writer,
 )
+from torchtune_ext.checkpoint.run_saves import announce
 from torchtune_ext.config import ConfigError
 
 DiskUsage = namedtuple("DiskUsage", "total used free")
@@ -270,7 +272,7 @@ def test_a_failure_around_the_write_is_a_failed_save(manager, monkeypatch, where
                             lambda src, dst: fail() if str(dst).endswith("step_2") else real_replace(src, dst))
         expected = r"saving step_2 in .* failed when moving it into place \(OSError: .*\): the partial checkpoint was"
     else:
-        monkeypatch.setattr(writer, "_fsync_dir", fail)
+        monkeypatch.setattr(writer, "fsync_dir", fail)
         expected = (r"saving step_2 in .* failed: the folder could not be synced to disk \(OSError: .*\); .*step_2 "
                     "is complete but may not survive a crash of the machine")
     with pytest.raises(CheckpointSaveError, match=expected) as err:
@@ -424,10 +426,10 @@ def test_start_up_warning_suggests_lowering_keep_only_where_it_helps(manager, mo
     """With keep_last_n_checkpoints=1 two checkpoints are on disk at times anyway (the new one is complete
     before the old one goes): lowering it is not possible, so only freeing space is suggested."""
     manager.keep_last_n = keep
-    monkeypatch.setattr(writer, "planned_save_steps", lambda progress, loader, cfg: [2, 4, 6])
-    monkeypatch.setattr(writer.shutil, "disk_usage", lambda path: DiskUsage(10**9, 10**9 - 3 * 10**6, 3 * 10**6))
+    monkeypatch.setattr(run_saves, "planned_save_steps", lambda progress, loader, cfg: [2, 4, 6])
+    monkeypatch.setattr(run_saves.shutil, "disk_usage", lambda path: DiskUsage(10**9, 10**9 - 3 * 10**6, 3 * 10**6))
     with caplog.at_level("WARNING"):
-        manager.announce(2 * 10**6, Progress(step=0, epoch=0, steps_in_epoch=0, seed=3), loader=None, cfg=None)
+        announce(manager, 2 * 10**6, Progress(step=0, epoch=0, steps_in_epoch=0, seed=3), loader=None, cfg=None)
     warning = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warning) == 1 and "not enough for all of them" in warning[0]
     assert ("lower keep_last_n_checkpoints or free some space" in warning[0]) == (keep != 1)
@@ -439,10 +441,10 @@ def test_start_up_warning_on_resume_counts_only_the_checkpoints_to_come(manager,
     needs room for one more, not two."""
     save(manager, 1)
     manager.keep_last_n = 1
-    monkeypatch.setattr(writer, "planned_save_steps", lambda progress, loader, cfg: [2])
-    monkeypatch.setattr(writer.shutil, "disk_usage", lambda path: DiskUsage(10**9, 10**9 - 3 * 10**6, 3 * 10**6))
+    monkeypatch.setattr(run_saves, "planned_save_steps", lambda progress, loader, cfg: [2])
+    monkeypatch.setattr(run_saves.shutil, "disk_usage", lambda path: DiskUsage(10**9, 10**9 - 3 * 10**6, 3 * 10**6))
     with caplog.at_level("INFO"):
-        manager.announce(2 * 10**6, Progress(step=1, epoch=0, steps_in_epoch=1, seed=3), loader=None, cfg=None)
+        announce(manager, 2 * 10**6, Progress(step=1, epoch=0, steps_in_epoch=1, seed=3), loader=None, cfg=None)
     assert not [r for r in caplog.records if r.levelname == "WARNING"]
     assert "1 to write, the newest 1 kept (keep_last_n_checkpoints=1): up to " in caplog.text
 
@@ -465,17 +467,17 @@ def test_save_memory_is_the_gathered_checkpoint_on_rank_zero_and_the_own_shards_
 
 @pytest.mark.parametrize("sharded,key", [(False, "sharded_checkpoints"), (True, "enable_async_checkpointing")])
 def test_start_up_refuses_a_save_the_cpu_memory_cannot_hold(manager, monkeypatch, sharded, key):
-    monkeypatch.setattr(writer, "planned_save_steps", lambda progress, loader, cfg: [2])
-    manager._sharded_saves = sharded
+    monkeypatch.setattr(run_saves, "planned_save_steps", lambda progress, loader, cfg: [2])
+    manager.sharded_saves = sharded
     progress = Progress(step=0, epoch=0, steps_in_epoch=0, seed=3)
     with pytest.raises(ConfigError) as err:
-        manager.announce(10**3, progress, loader=None, cfg=None, save_memory=(3 * 2**30, 2**30))
+        announce(manager, 10**3, progress, loader=None, cfg=None, save_memory=(3 * 2**30, 2**30))
     assert err.value.key == key and "about 3 GiB, 1 GiB available" in str(err.value), str(err.value)
     assert ("Set sharded_checkpoints=true" in str(err.value)) != sharded
-    manager.announce(10**3, progress, loader=None, cfg=None, save_memory=(2**30, 3 * 2**30))  # fits
-    manager.announce(10**3, progress, loader=None, cfg=None, save_memory=(3 * 2**30, None))  # unknown: no refusal
-    monkeypatch.setattr(writer, "planned_save_steps", lambda progress, loader, cfg: [])
-    manager.announce(10**3, progress, loader=None, cfg=None, save_memory=(3 * 2**30, 2**30))  # nothing to save
+    announce(manager, 10**3, progress, loader=None, cfg=None, save_memory=(2**30, 3 * 2**30))  # fits
+    announce(manager, 10**3, progress, loader=None, cfg=None, save_memory=(3 * 2**30, None))  # unknown: no refusal
+    monkeypatch.setattr(run_saves, "planned_save_steps", lambda progress, loader, cfg: [])
+    announce(manager, 10**3, progress, loader=None, cfg=None, save_memory=(3 * 2**30, 2**30))  # nothing to save
 
 
 # ------------------------------------------------------- content hashes (issue 33 F11)

@@ -35,7 +35,7 @@ def test_the_page_lists_every_key_of_each_section_with_its_default():
             assert row.split(" | ")[1] == config_docs.format_default(key)
     assert "| `gradient_accumulation_steps` | `1` |" in sections["Common keys"]
     assert "| `output_dir` | required |" in sections["Common keys"]
-    assert "| `loss` | `{_component_: torchtune_ext.loss.SummedCrossEntropyLoss, num_output_chunks: auto}` |" \
+    assert "| `loss` | `{_component_: torchtune_ext.train.loss.SummedCrossEntropyLoss, num_output_chunks: auto}` |" \
         in sections["Common keys"]
 
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from helpers import REPO_ROOT
-from torchtune_ext import memory, runtime
+from torchtune_ext.train import allocator as runtime
+from torchtune_ext.train import memory
 
 pytestmark = pytest.mark.skipif(runtime._glibc() is None, reason="glibc's allocator only")
 
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.skipif(runtime._glibc() is None, reason="glibc's alloca
 # what the allocator holds free afterwards.
 PROBE = textwrap.dedent("""
     import resource, sys, torch
-    from torchtune_ext import runtime
+    from torchtune_ext.train import allocator as runtime
     applied = runtime.keep_freed_cpu_memory(torch.device(sys.argv[1]))
     def faults():
         return resource.getrusage(resource.RUSAGE_SELF).ru_minflt

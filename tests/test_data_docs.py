@@ -75,8 +75,8 @@ def _checked(root, argv, monkeypatch):
 
     from torchtune_ext.config import validate, validation_enabled
     from torchtune_ext.data import build_step_loader
-    from torchtune_ext.evaluate import build_val_loader
-    from torchtune_ext.preflight import check_components
+    from torchtune_ext.run.evaluate import build_val_loader
+    from torchtune_ext.run.preflight import check_components
 
     monkeypatch.chdir(root)
     yaml = OmegaConf.to_container(OmegaConf.load(argv[3]))
@@ -121,7 +121,7 @@ def test_the_command_with_a_validation_file_trains_and_validates(page_commands, 
     write_tiny_hf_checkpoint(checkpoint)  # SmolLM2's vocabulary: the real tokenizer works with it
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copy(smollm2_assets / "SmolLM2-135M-Instruct" / name, checkpoint / name)
-    tiny = ["model._component_=torchtune_ext.models.tiny_llama", f"checkpointer.checkpoint_dir={checkpoint}",
+    tiny = ["model._component_=torchtune_ext.model.builders.tiny_llama", f"checkpointer.checkpoint_dir={checkpoint}",
             "max_steps_per_epoch=1", "metric_logger=null", "tokenizer.max_seq_len=128"]
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), WANDB_SILENT="true")
     proc = subprocess.run(["tune", *argv, *tiny], cwd=root, env=env, capture_output=True, text=True, timeout=600)

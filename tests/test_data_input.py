@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from helpers import REPO_ROOT
 from torchtune_ext.config import ConfigError, validate
 from torchtune_ext.data import build_dataset, build_step_loader
-from torchtune_ext.preflight import check_components
+from torchtune_ext.run.preflight import check_components, model_max_seq_len
 
 CPU = torch.device("cpu")
 GOOD = {"instruction": "say yes", "input": "", "output": "yes"}
@@ -30,7 +30,7 @@ def tiny_cfg(tiny_run):
 def test_tokenizer_max_seq_len_above_the_models_limit(tiny_cfg):
     """torchtune's decoder refuses a longer input only at the first forward, after W&B and the logs started."""
     with pytest.raises(ConfigError, match=r"'tokenizer.max_seq_len'.*256 is more than the model's max_seq_len=128 "
-                                          r"\(torchtune_ext.models.tiny_llama\).*tokenizer.max_seq_len=128"):
+                                          r"\(torchtune_ext.model.builders.tiny_llama\).*tokenizer.max_seq_len=128"):
         check_components(tiny_cfg("tokenizer.max_seq_len=256", "model.max_seq_len=128"), CPU)
     check_components(tiny_cfg("tokenizer.max_seq_len=128", "model.max_seq_len=128"), CPU)  # equal: fits
 
@@ -56,7 +56,7 @@ def test_samples_longer_than_the_model_without_truncation(tiny_run, tmp_path):
     tokenizer = tt_config.instantiate(cfg.tokenizer)
     with pytest.raises(ConfigError, match=r"'dataset'.*sample 1 has \d+ tokens, more than the model's "
                                           r"max_seq_len=64.*set tokenizer.max_seq_len=64"):
-        build_step_loader(cfg, tokenizer, seed=0, ignore_index=-100)
+        build_step_loader(cfg, tokenizer, seed=0, ignore_index=-100, model_max_seq_len=model_max_seq_len(cfg.model))
     cfg.model.max_seq_len = 2048
     assert len(build_step_loader(cfg, tokenizer, seed=0, ignore_index=-100)) == 3
 

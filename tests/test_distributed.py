@@ -3,7 +3,7 @@
 One launch per world size runs every case (tests/dist_worker.py); the tests
 compare what rank 0 saved. Global batch 4 samples per optimizer step
 everywhere, SGD with clipping active, 3 steps; full fine-tuning and LoRA.
-The ``eval_*`` cases run one validation pass (torchtune_ext.evaluate) over 13
+The ``eval_*`` cases run one validation pass (torchtune_ext.run.evaluate) over 13
 samples at several batch sizes, packings and world sizes.
 """
 
@@ -207,7 +207,7 @@ def test_memory_guard_bounds_the_job_by_its_largest_rank(results):
     element-wise maximum of both ranks' figures gives (all-reduced in the step), and at least one step
     defers the gradient sync although one rank's own share alone would not have allowed it. The run equals
     one rank with the step's 8 samples in one micro-batch."""
-    from torchtune_ext.memory import MemoryGuard
+    from torchtune_ext.train.memory import MemoryGuard
 
     r = results["lora_n16_w2_b2_ga2_once_grouped_guard_baseline"]
     guard = MemoryGuard(tiny_model(), torch.device("cpu"), available=lambda _device: None)
@@ -333,7 +333,7 @@ def test_a_gathered_save_silences_exactly_torchs_strided_shard_remark(caplog):
     from torch.distributed.tensor import Replicate, Shard, _redistribute
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from torchtune_ext.distributed import quiet_strided_gather
+    from torchtune_ext.checkpoint.state_dict import quiet_strided_gather
 
     remark = getattr(_redistribute, "_warn_flatten_optimization_not_possible", None)
     if remark is None:

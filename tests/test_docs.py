@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from torchtune_ext.moved import canonical
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 README = REPO_ROOT / "README.md"
 DOCS = REPO_ROOT / "docs"
@@ -154,7 +156,7 @@ def test_readme_code_map_names_modules_that_exist():
         if not (REPO_ROOT / path).is_file():
             wrong.append(path)
     for dotted in set(re.findall(r"torchtune_ext(?:\.\w+)+", text)):
-        parts = dotted.split(".")
+        parts = canonical(dotted).split(".")  # a command's module path of earlier versions still runs
         module, rest = REPO_ROOT / parts[0], parts[1:]
         while rest and ((module / rest[0]).is_dir() or (module / f"{rest[0]}.py").is_file()):
             module = module / rest[0] if (module / rest[0]).is_dir() else module / f"{rest[0]}.py"

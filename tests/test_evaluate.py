@@ -1,4 +1,4 @@
-"""Exact evaluation (torchtune_ext.evaluate) on tiny models, in process.
+"""Exact evaluation (torchtune_ext.run.evaluate) on tiny models, in process.
 
 The 1- and 2-rank (FSDP2) cases of the same claims are in test_distributed.py.
 """
@@ -16,12 +16,11 @@ import torch
 from omegaconf import OmegaConf
 
 from helpers import IGNORE, ConstantLossModel, constant_loss_sample, synthetic_val_dataset, tiny_model
-from torchtune_ext import evaluate as evaluate_module
-from torchtune_ext.accounting import TokenTotals, count_trainable_tokens
 from torchtune_ext.checkpoint import CheckpointManager, Progress, file_sha256
 from torchtune_ext.config import ConfigError
 from torchtune_ext.data import StepLoader, make_collate
-from torchtune_ext.evaluate import (
+from torchtune_ext.run import evaluate as evaluate_module
+from torchtune_ext.run.evaluate import (
     EvalResult,
     Validator,
     base_model_config,
@@ -31,8 +30,9 @@ from torchtune_ext.evaluate import (
     evaluate,
     perplexity,
 )
-from torchtune_ext.loss import SummedCrossEntropyLoss
-from torchtune_ext.step import forward_sums, prepare_micro_batch
+from torchtune_ext.train.accounting import TokenTotals, count_trainable_tokens
+from torchtune_ext.train.loss import SummedCrossEntropyLoss
+from torchtune_ext.train.objective import forward_sums, prepare_micro_batch
 
 CPU = torch.device("cpu")
 TOL = 1e-6
@@ -216,14 +216,15 @@ def test_schedule():
 
 
 def test_base_model_of_a_lora_config():
-    lora = OmegaConf.create({"_component_": "torchtune_ext.models.lora_tiny_llama", "lora_attn_modules": ["q_proj"],
+    lora = OmegaConf.create({"_component_": "torchtune_ext.model.builders.lora_tiny_llama",
+                             "lora_attn_modules": ["q_proj"],
                              "apply_lora_to_mlp": True, "lora_rank": 4, "lora_alpha": 8, "num_layers": 3})
-    assert OmegaConf.to_container(base_model_config(lora)) == {"_component_": "torchtune_ext.models.tiny_llama",
+    assert OmegaConf.to_container(base_model_config(lora)) == {"_component_": "torchtune_ext.model.builders.tiny_llama",
                                                                "num_layers": 3}
-    full = OmegaConf.create({"_component_": "torchtune_ext.models.tiny_llama"})
+    full = OmegaConf.create({"_component_": "torchtune_ext.model.builders.tiny_llama"})
     assert base_model_config(full) is full
     with pytest.raises(ConfigError, match="'model'"):
-        base_model_config(OmegaConf.create({"_component_": "torchtune_ext.models.lora_nonexistent"}))
+        base_model_config(OmegaConf.create({"_component_": "torchtune_ext.model.lora_nonexistent"}))
 
 
 # ---------------------------------------------------- the command's load checks (issue 33 F5)
@@ -255,7 +256,7 @@ def another_model(folder):
     from safetensors.torch import save_file
     from torchtune.models import convert_weights
 
-    from torchtune_ext.models import tiny_llama
+    from torchtune_ext.model.builders import tiny_llama
 
     model = tiny_llama(vocab_size=300, num_layers=3, embed_dim=48, num_heads=6, num_kv_heads=2, intermediate_dim=96)
     hf = convert_weights.tune_to_hf(model.state_dict(), num_heads=6, num_kv_heads=2, dim=48)
@@ -290,7 +291,7 @@ def run_command(capsys, config, folder, *overrides, options=()):
     (missing_config, "checkpointer.checkpoint_dir", ["config.json", "No such file"]),
     (other_head_count, "checkpointer.checkpoint_dir", ["config.json' (num_attention_heads=8"]),
     (garbage_tokenizer, "tokenizer.path", ["/copy'", "expected value at line 1 column 1", "not a tokenizer"]),
-    (another_model, "checkpointer.checkpoint_dir", ["does not fit the model torchtune_ext.models.tiny_llama",
+    (another_model, "checkpointer.checkpoint_dir", ["does not fit the model torchtune_ext.model.builders.tiny_llama",
                                                     "'tok_embeddings.weight' has shape [300, 48] in the checkpoint"]),
 ], ids=["truncated-weights", "garbage-config-json", "no-config-json", "head-count", "garbage-tokenizer",
         "another-model"])

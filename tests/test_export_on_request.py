@@ -16,9 +16,9 @@ from torchtune.models.llama3_2 import llama3_2
 
 import tiny_setup
 from torchtune_ext.checkpoint import CheckpointManager, Progress
-from torchtune_ext.checkpoint.export import main as export_main
 from torchtune_ext.checkpoint.hf_export import EXPORT_MARKER
-from torchtune_ext.tokenizer import training_chat_template
+from torchtune_ext.data.tokenizer import training_chat_template
+from torchtune_ext.tools.export import main as export_main
 
 # DCP without a process group says it assumes one process: it is one here
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -7,10 +7,9 @@ import pytest
 import torch
 
 from helpers import tiny_lora_model, tiny_model
-from torchtune_ext import flops
-from torchtune_ext.flops import ModelFlops, flops_per_token, peak_tflops_per_device, table_peak_tflops
-from torchtune_ext.metrics import step_record
-from torchtune_ext.step import StepResult
+from torchtune_ext.run.metrics import flops, step_record
+from torchtune_ext.run.metrics.flops import ModelFlops, flops_per_token, peak_tflops_per_device, table_peak_tflops
+from torchtune_ext.train.step import StepResult
 
 CPU = torch.device("cpu")
 
@@ -85,7 +84,7 @@ def test_peak_from_config_table_or_measurement(monkeypatch, caplog):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA L4")
     assert peak_tflops_per_device(torch.device("cuda"), torch.bfloat16)[0] == 121.0
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some Future GPU")
-    with caplog.at_level(logging.WARNING, logger="torchtune_ext.flops"):
+    with caplog.at_level(logging.WARNING, logger="torchtune_ext.run.metrics.flops"):
         assert peak_tflops_per_device(torch.device("cuda"), torch.bfloat16) == (None, "unknown")
     (warning,) = caplog.records
     assert "Some Future GPU" in warning.getMessage() and "peak_tflops_per_device" in warning.getMessage()

@@ -10,8 +10,8 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 from torchtune.training import FullModelHFCheckpointer
 
-from torchtune_ext.gguf_to_hf import convert_gguf_to_hf, permute_qk_to_interleaved
-from torchtune_ext.models import tiny_llama
+from torchtune_ext.model.builders import tiny_llama
+from torchtune_ext.tools.gguf_to_hf import convert_gguf_to_hf, permute_qk_to_interleaved
 
 HIDDEN, HEADS, KV_HEADS, FFN, LAYERS = 16, 4, 2, 32, 2
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

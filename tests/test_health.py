@@ -6,9 +6,9 @@ from omegaconf import OmegaConf
 
 from helpers import IGNORE, read_jsonl, recipe_class, run_recipe, run_tune, text_samples, tiny_model, windows
 from torchtune_ext.config import validate
-from torchtune_ext.health import NonFiniteError, StepHealth, TrainingHealthError, parameters_finite
-from torchtune_ext.loss import SummedCrossEntropyLoss
-from torchtune_ext.step import train_step
+from torchtune_ext.train.health import NonFiniteError, StepHealth, TrainingHealthError, parameters_finite
+from torchtune_ext.train.loss import SummedCrossEntropyLoss
+from torchtune_ext.train.step import train_step
 
 CPU = torch.device("cpu")
 RECIPE = "recipes/full_finetune_single_device.py"

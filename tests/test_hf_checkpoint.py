@@ -19,9 +19,9 @@ from helpers import IGNORE, instruct_samples, windows
 from hf_tiny import TOKENIZER_FILES, TinyFolders, build_loaded
 from torchtune_ext.checkpoint import CheckpointManager, Progress
 from torchtune_ext.config import ConfigError
-from torchtune_ext.hf import HFCheckpointer, causal_lm, check_model_folder
-from torchtune_ext.loss import SummedCrossEntropyLoss
-from torchtune_ext.step import train_step
+from torchtune_ext.model.hf import HFCheckpointer, causal_lm, check_model_folder
+from torchtune_ext.train.loss import SummedCrossEntropyLoss
+from torchtune_ext.train.step import train_step
 
 CPU = torch.device("cpu")
 
@@ -44,7 +44,7 @@ def trained(folder, steps=1, **kwargs):
 
 
 def cfg_checkpointer(folder, output_dir):
-    return OmegaConf.create({"_component_": "torchtune_ext.hf.HFCheckpointer", "checkpoint_dir": str(folder),
+    return OmegaConf.create({"_component_": "torchtune_ext.model.hf.HFCheckpointer", "checkpoint_dir": str(folder),
                              "output_dir": str(output_dir)})
 
 
@@ -155,7 +155,7 @@ def test_a_known_family_with_code_in_its_folder_runs_transformers_own_class_and_
     raw = json.loads((folders("qwen3") / "config.json").read_text())
     raw["auto_map"] = {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}
     (folder / "config.json").write_text(json.dumps(raw))
-    with caplog.at_level("WARNING", logger="torchtune_ext.hf.model"):
+    with caplog.at_level("WARNING", logger="torchtune_ext.model.hf.causal_lm"):
         assert check_model_folder(folder).model_type == "qwen3"
         check_model_folder(folder)
     said = [r.getMessage() for r in caplog.records if "auto_map" in r.getMessage()]

@@ -1,4 +1,4 @@
-"""LoRA and DoRA on transformers models through PEFT, from torchtune's LoRA keys (torchtune_ext.hf.lora).
+"""LoRA and DoRA on transformers models through PEFT, from torchtune's LoRA keys (torchtune_ext.model.hf.lora).
 
 Checked: which modules get adapters per family; a trained adapter saved by
 HFCheckpointer loads with ``PeftModel.from_pretrained`` onto the base folder,
@@ -18,7 +18,7 @@ from helpers import IGNORE, instruct_samples, rel_diff, windows
 from hf_tiny import TinyFolders
 from torchtune_ext.checkpoint import CheckpointManager, Progress
 from torchtune_ext.config import ConfigError
-from torchtune_ext.hf import (
+from torchtune_ext.model.hf import (
     HFCheckpointer,
     adapter_params,
     initialize_adapters,
@@ -29,9 +29,9 @@ from torchtune_ext.hf import (
     lora_config,
     model_keys,
 )
-from torchtune_ext.hf.model import causal_lm
-from torchtune_ext.loss import SummedCrossEntropyLoss
-from torchtune_ext.step import train_step
+from torchtune_ext.model.hf.build import causal_lm
+from torchtune_ext.train.loss import SummedCrossEntropyLoss
+from torchtune_ext.train.step import train_step
 
 CPU = torch.device("cpu")
 ALL_ATTENTION = ["q_proj", "k_proj", "v_proj", "output_proj"]
@@ -117,7 +117,7 @@ def test_adapter_and_merged_model_load_with_the_trained_logits(case, folders, tm
     for key, value in model_keys(model, base).items():  # the base did not move
         assert torch.equal(state[key], value), key
 
-    cfg = OmegaConf.create({"_component_": "torchtune_ext.hf.HFCheckpointer", "checkpoint_dir": str(folder),
+    cfg = OmegaConf.create({"_component_": "torchtune_ext.model.hf.HFCheckpointer", "checkpoint_dir": str(folder),
                             "output_dir": str(tmp_path / "run")})
     manager = CheckpointManager(cfg, str(tmp_path / "run"))
     manager.load()

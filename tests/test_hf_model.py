@@ -1,4 +1,4 @@
-"""transformers models through the recipes' flow (torchtune_ext.hf): losses, exactness, packing.
+"""transformers models through the recipes' flow (torchtune_ext.model.hf): losses, exactness, packing.
 
 Every model is a tiny random model of its family written as an HF folder
 (tests/hf_tiny.py), built by ``causal_lm`` on the meta device and loaded
@@ -9,11 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import IGNORE, instruct_samples, rel_diff, windows
+from helpers import IGNORE, backward_mode, instruct_samples, rel_diff, windows
 from hf_tiny import GEMMA_SOFTCAP, TinyFolders, build_loaded, our_token_losses
 from torchtune_ext.data import collate_as_pack, collate_packed
-from torchtune_ext.loss import SummedCrossEntropyLoss, shift_labels
-from torchtune_ext.step import train_step
+from torchtune_ext.train.loss import SummedCrossEntropyLoss, shift_labels
+from torchtune_ext.train.step import train_step
 
 CPU = torch.device("cpu")
 TOL = 1e-5
@@ -61,7 +61,7 @@ def run_steps(model, step_windows, once):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     loss_fn = SummedCrossEntropyLoss(num_output_chunks=1, ignore_index=IGNORE)
     loss_fn.take_output_projection(model)
-    results = [train_step(model, optimizer, loss_fn, w, device=CPU, backward_once_per_step=once, step=i + 1)
+    results = [train_step(model, optimizer, loss_fn, w, device=CPU, backward=backward_mode(once), step=i + 1)
                for i, w in enumerate(step_windows)]
     return results, {n: p.detach().clone() for n, p in model.named_parameters()}
 
@@ -174,7 +174,7 @@ def test_activation_checkpointing_per_decoder_layer_changes_nothing(folders):
     """Every decoder layer (the model's _no_split_modules) recomputes in backward; the state dict keys,
     loading on meta and the step's loss, grad norm and weights are as without it."""
     from hf_tiny import build_loaded as plain
-    from torchtune_ext.hf import HFCheckpointer, causal_lm, load_state, set_activation_checkpointing
+    from torchtune_ext.model.hf import HFCheckpointer, causal_lm, load_state, set_activation_checkpointing
 
     folder = folders("gemma3")
     reference, reference_params = run_steps(plain(folder), windows(SAMPLES, 2, 2)[:1], once=True)

@@ -14,9 +14,9 @@ from transformers import AutoModelForCausalLM
 
 from helpers import IGNORE, instruct_samples, rel_diff, windows
 from hf_tiny import TinyFolders, build_loaded
-from torchtune_ext.hf import HFCheckpointer
-from torchtune_ext.loss import SummedCrossEntropyLoss, shift_labels
-from torchtune_ext.step import train_step
+from torchtune_ext.model.hf import HFCheckpointer
+from torchtune_ext.train.loss import SummedCrossEntropyLoss, shift_labels
+from torchtune_ext.train.step import train_step
 
 CPU = torch.device("cpu")
 TOL = 1e-5
@@ -33,7 +33,7 @@ def one_step(model, window, lr=0.0):
     loss_fn = SummedCrossEntropyLoss(num_output_chunks=1, ignore_index=IGNORE)
     loss_fn.take_output_projection(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    return train_step(model, optimizer, loss_fn, window, device=CPU, backward_once_per_step=True), loss_fn
+    return train_step(model, optimizer, loss_fn, window, device=CPU, backward="once_per_step"), loss_fn
 
 
 def test_router_loss_is_off_by_default(folders):

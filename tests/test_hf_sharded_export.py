@@ -20,7 +20,7 @@ from torchtune_ext.checkpoint import export_hf, load_model_shards
 from torchtune_ext.checkpoint.sharded import sharded_state_dict
 from torchtune_ext.config import ConfigError
 from torchtune_ext.config.combinations import check_sharded_checkpoints
-from torchtune_ext.hf import causal_lm
+from torchtune_ext.model.hf import causal_lm
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 IDS = torch.randint(3, 100, (2, 10), generator=torch.Generator().manual_seed(0))
@@ -29,9 +29,9 @@ IDS = torch.randint(3, 100, (2, 10), generator=torch.Generator().manual_seed(0))
 def _lora_model(folder):
     from torchtune import config as tt_config
 
-    from torchtune_ext.hf import HFCheckpointer, initialize_adapters, model_keys
+    from torchtune_ext.model.hf import HFCheckpointer, initialize_adapters, model_keys
 
-    cfg = OmegaConf.create({"_component_": "torchtune_ext.hf.lora_causal_lm", "path": str(folder),
+    cfg = OmegaConf.create({"_component_": "torchtune_ext.model.hf.lora_causal_lm", "path": str(folder),
                             "lora_attn_modules": ["q_proj", "v_proj"], "apply_lora_to_mlp": True, "lora_rank": 4,
                             "lora_alpha": 8})
     model = tt_config.instantiate(cfg)
@@ -53,7 +53,7 @@ def test_the_export_of_a_transformers_model_loads_with_its_logits(tmp_path, fami
     AutoModelForCausalLM.from_pretrained(str(folder)).save_pretrained(str(folder), max_shard_size="40KB")
     assert (folder / "model.safetensors.index.json").is_file()
     if kind == "full":
-        cfg = OmegaConf.create({"_component_": "torchtune_ext.hf.causal_lm", "path": str(folder)})
+        cfg = OmegaConf.create({"_component_": "torchtune_ext.model.hf.causal_lm", "path": str(folder)})
         model = build_loaded(folder)
         with torch.no_grad():
             for param in model.parameters():
@@ -64,7 +64,8 @@ def test_the_export_of_a_transformers_model_loads_with_its_logits(tmp_path, fami
     dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(step / "dcp"), no_dist=True)
     out = tmp_path / "hf"
     out.mkdir()
-    checkpointer = OmegaConf.create({"_component_": "torchtune_ext.hf.HFCheckpointer", "checkpoint_dir": str(folder),
+    checkpointer = OmegaConf.create({"_component_": "torchtune_ext.model.hf.HFCheckpointer",
+                                     "checkpoint_dir": str(folder),
                                      "output_dir": str(tmp_path / "unused")})
     export_hf(step, out, checkpointer, cfg)
     weights = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
@@ -85,7 +86,7 @@ def test_the_export_of_a_transformers_model_loads_with_its_logits(tmp_path, fami
 
 def test_sharded_checkpoints_take_the_hf_checkpointer_and_refuse_others():
     cfg = OmegaConf.create({"sharded_checkpoints": True,
-                            "checkpointer": {"_component_": "torchtune_ext.hf.HFCheckpointer"}})
+                            "checkpointer": {"_component_": "torchtune_ext.model.hf.HFCheckpointer"}})
     check_sharded_checkpoints(cfg)
     cfg.checkpointer._component_ = "torchtune.training.FullModelMetaCheckpointer"
     with pytest.raises(ConfigError, match="^config key 'sharded_checkpoints'.*FullModelMetaCheckpointer"):

@@ -20,11 +20,11 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from helpers import rel_diff, run_worker
 from hf_tiny import COMMON, TOKENIZER_FILES, write_tiny
 from torchtune_ext.errors import ConfigError
-from torchtune_ext.hf import causal_lm, lora_causal_lm
-from torchtune_ext.hf.tensor_parallel import check_tensor_parallel, tensor_parallel_plan
+from torchtune_ext.model.hf import causal_lm, lora_causal_lm
+from torchtune_ext.parallel.hf_plan import check_tensor_parallel, tensor_parallel_plan
 
 TOL = 1e-5
-COMPONENT = "torchtune_ext.hf.causal_lm"
+COMPONENT = "torchtune_ext.model.hf.causal_lm"
 # adapters on every projection the plan splits: q/v and the MLP by columns, o_proj and down_proj by rows
 LORA = dict(lora_attn_modules=["q_proj", "v_proj", "output_proj"], apply_lora_to_mlp=True, lora_rank=4,
             lora_alpha=8)
@@ -93,7 +93,7 @@ def test_expert_styles_are_refused(folders):
 
 
 def test_lora_layers_split_and_dora_is_refused(folders):
-    """PEFT's LoRA linears take the column or row split of the plan (torchtune_ext.lora_parallel); DoRA's
+    """PEFT's LoRA linears take the column or row split of the plan (torchtune_ext.parallel.lora); DoRA's
     magnitude normalizes over every input feature and is refused."""
     with torch.device("meta"):
         lora = lora_causal_lm(folders["llama"], dtype="fp32", **LORA)
@@ -112,7 +112,7 @@ def test_the_recipes_refuse_it_before_anything_loads(folders, smollm2_assets, mo
 
     from helpers import REPO_ROOT, copy_smollm2_tokenizer
     from torchtune_ext.config import DISTRIBUTED_KEYS, validate
-    from torchtune_ext.preflight import check_components
+    from torchtune_ext.run.preflight import check_components
 
     copy_smollm2_tokenizer(smollm2_assets, folders["qwen3_moe"])
     monkeypatch.setenv("WORLD_SIZE", "2")

@@ -1,4 +1,4 @@
-"""The language model of an image-text folder, trained alone (``text_only``; torchtune_ext.hf).
+"""The language model of an image-text folder, trained alone (``text_only``; torchtune_ext.model.hf).
 
 Every folder is a tiny random image-text model written by transformers
 (tests/hf_tiny.py: Gemma 3, Llama 4, Mistral 3, Qwen3.5), with a vision
@@ -31,7 +31,7 @@ from hf_tiny import (
 )
 from torchtune_ext.checkpoint import CheckpointManager, Progress
 from torchtune_ext.config import ConfigError
-from torchtune_ext.hf import (
+from torchtune_ext.model.hf import (
     HFCheckpointer,
     adapter_params,
     causal_lm,
@@ -42,9 +42,9 @@ from torchtune_ext.hf import (
     lora_checkpoint_state,
     model_keys,
 )
-from torchtune_ext.hf.model import language_model_keys, read_model_folder
-from torchtune_ext.loss import SummedCrossEntropyLoss, shift_labels
-from torchtune_ext.step import train_step
+from torchtune_ext.model.hf.folder import language_model_keys, read_model_folder
+from torchtune_ext.train.loss import SummedCrossEntropyLoss, shift_labels
+from torchtune_ext.train.step import train_step
 
 CPU = torch.device("cpu")
 TOL = 1e-5
@@ -106,7 +106,7 @@ def test_the_checkpointer_says_what_it_drops(folders, tmp_path, caplog):
     """One log line names the image-text class, the text class and the modules left out (Gemma 3: its vision
     tower and projector, with their parameter count)."""
     checkpointer = HFCheckpointer(folders.image_text("gemma3"), tmp_path, text_only=True)
-    with caplog.at_level(logging.INFO, logger="torchtune_ext.hf.checkpointer"):
+    with caplog.at_level(logging.INFO, logger="torchtune_ext.model.hf.checkpointer"):
         state = checkpointer.load_checkpoint()["model"]
     lines = [r.getMessage() for r in caplog.records if "text_only" in r.getMessage()]
     assert len(lines) == 1
@@ -129,7 +129,7 @@ def train(model, steps=1, adapters=False):
 
 
 def manager(folder, run):
-    cfg = OmegaConf.create({"_component_": "torchtune_ext.hf.HFCheckpointer", "checkpoint_dir": str(folder),
+    cfg = OmegaConf.create({"_component_": "torchtune_ext.model.hf.HFCheckpointer", "checkpoint_dir": str(folder),
                             "output_dir": str(run), "text_only": True})
     return CheckpointManager(cfg, str(run))
 

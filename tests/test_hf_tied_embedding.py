@@ -1,16 +1,16 @@
 """A transformers model's tied ``lm_head`` on CPU: the token embedding's gradient rows go straight into ``.grad``
-(torchtune_ext.runtime.embedding_rows_into_grad), as for torchtune's ``TiedLinear``, with the same gradients
+(torchtune_ext.model.runtime.embedding_rows_into_grad), as for torchtune's ``TiedLinear``, with the same gradients
 and updates as autograd's dense way, the embedding's ``padding_idx`` row included (transformers' Llama sets it to
 ``pad_token_id``; SmolLM2's is its ``<|im_end|>``, a token of every chat turn)."""
 
 import pytest
 import torch
 
-from helpers import IGNORE, instruct_samples, rel_diff, windows
+from helpers import IGNORE, backward_mode, instruct_samples, rel_diff, windows
 from hf_tiny import build_loaded, write_tiny
-from torchtune_ext.loss import SummedCrossEntropyLoss
-from torchtune_ext.runtime import embedding_rows_into_grad
-from torchtune_ext.step import forward_backward
+from torchtune_ext.model.runtime import embedding_rows_into_grad
+from torchtune_ext.train.loss import SummedCrossEntropyLoss
+from torchtune_ext.train.step import forward_backward
 
 CPU = torch.device("cpu")
 PAD = 0  # hf_tiny's pad_token_id
@@ -54,7 +54,7 @@ def test_rows_into_grad_gives_a_tied_lm_head_the_same_gradients_and_updates(fold
         loss_fn.take_output_projection(model)
         grads = []
         for w in step_windows:
-            forward_backward(model, loss_fn, w, device=CPU, backward_once_per_step=once)
+            forward_backward(model, loss_fn, w, device=CPU, backward=backward_mode(once))
             assert model.get_input_embeddings().weight.grad.layout == torch.strided
             grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
             opt.step()

@@ -20,8 +20,8 @@ from torchtune.datasets import alpaca_dataset, chat_dataset, instruct_dataset, t
 from transformers import AutoTokenizer
 
 from torchtune_ext.config import ConfigError
-from torchtune_ext.hf.tokenizer import HFTokenizer, hf_tokenizer
-from torchtune_ext.tokenizer import SmolLM2Tokenizer, check_tokenizer
+from torchtune_ext.data.hf_tokenizer import HFTokenizer, hf_tokenizer
+from torchtune_ext.data.tokenizer import SmolLM2Tokenizer, check_tokenizer
 
 QWEN3 = r"""
 {%- set ns = namespace(last_user=-1) -%}
@@ -352,7 +352,7 @@ def test_chat_data_without_a_chat_template_is_one_config_error(folders, tmp_path
     with pytest.raises(ValueError, match="has no chat template"):
         tok.tokenize_messages(TWO_TURNS)
     cfg = OmegaConf.create({
-        "tokenizer": {"_component_": "torchtune_ext.hf.tokenizer.hf_tokenizer", "path": str(folder)},
+        "tokenizer": {"_component_": "torchtune_ext.data.hf_tokenizer.hf_tokenizer", "path": str(folder)},
         "dataset": {"_component_": "torchtune.datasets.alpaca_dataset", "source": "json", "data_files": "x.json"},
     })
     with pytest.raises(ConfigError) as err:
@@ -393,7 +393,8 @@ def test_a_folder_that_is_not_a_tokenizer(folders, tmp_path, case, words):
         assert word in str(err.value)
     assert "\n" not in str(err.value)
     # before the model loads, the same words as one config error
-    cfg = OmegaConf.create({"tokenizer": {"_component_": "torchtune_ext.hf.tokenizer.hf_tokenizer", "path": str(path)},
+    tokenizer = {"_component_": "torchtune_ext.data.hf_tokenizer.hf_tokenizer", "path": str(path)}
+    cfg = OmegaConf.create({"tokenizer": tokenizer,
                             "dataset": {"_component_": "torchtune.datasets.text_completion_dataset"}})
     with pytest.raises(ConfigError) as config_err:
         check_tokenizer(cfg)

@@ -12,20 +12,21 @@ from typing import Dict, List, Set, Tuple
 PACKAGE = "torchtune_ext"
 ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 
-# The layers of docs/architecture.md, by the module's (or package's) name under torchtune_ext: a module imports
-# from its own layer or those below, never from above.
+# The layers of docs/architecture.md, by the top-level package (or leaf module) under torchtune_ext: a module
+# imports from its own layer or those below, never from above. One package per layer from config/ up.
 LAYERS = {
-    1: ("errors", "ranks", "text", "upstream", "flops", "assets", "gguf_to_hf", "download"),
-    2: ("config", "tokenizer"),
+    1: ("errors", "ranks", "text", "moved"),
+    2: ("config",),
     3: ("checkpoint",),
-    4: ("control", "_local_recipes"),
-    5: ("loss", "accounting", "grad_norm", "optim_in_bwd", "lora_parallel", "distributed", "hf", "models", "lora",
-        "runtime",
-        "health", "memory", "preflight", "data_check", "data", "resume", "step", "metrics", "evaluate"),
-    6: ("loop", "parity_report"),
+    4: ("parallel",),
+    5: ("train",),
+    6: ("data",),
+    7: ("model",),
+    8: ("run",),
+    9: ("tools", "_local_recipes"),
 }
 # The bottom of the stack: these import nothing of ours.
-LEAVES = ("errors", "ranks", "text")
+LEAVES = ("errors", "ranks", "text", "moved")
 
 
 def _module_name(path: Path) -> str:
@@ -156,7 +157,7 @@ def test_no_import_cycle_among_the_library_modules():
 def _layer(module: str) -> int:
     top = module.split(".")[1] if module.count(".") else ""
     if not top:
-        return 0  # the package's own __init__
+        return 1  # the package's own __init__: it installs the old paths (moved), a leaf
     found = [layer for layer, names in LAYERS.items() if top in names]
     assert found, f"{module} is in no layer of LAYERS (tests/test_imports.py, docs/architecture.md)"
     return found[0]
@@ -199,3 +200,46 @@ def test_a_function_imports_a_library_module_only_for_import_weight_and_says_so(
                  for module, line, _, in_function in _imports(name, path, known)
                  if in_function and not _has_comment(path, line)]
     assert not offenders, "\n".join(offenders)
+
+
+def _top_level_graph() -> Dict[str, Set[str]]:
+    """The import graph with each top-level package or module of the library as one node."""
+    top = {}
+    for name, targets in _graph().items():
+        if name == PACKAGE:
+            continue
+        node = name.split(".")[1]
+        top.setdefault(node, set()).update(t.split(".")[1] for t in targets if t != PACKAGE and t.split(".")[1] != node)
+    return top
+
+
+def _levels(graph: Dict[str, Set[str]]) -> Dict[str, int]:
+    """1 for a node that imports nothing of ours, else one more than the highest node it imports."""
+    levels: Dict[str, int] = {}
+
+    def level(node: str) -> int:
+        if node not in levels:
+            levels[node] = 1 + max((level(t) for t in graph.get(node, ())), default=0)
+        return levels[node]
+
+    for node in graph:
+        level(node)
+    return levels
+
+
+def test_the_levels_helper_counts_the_longest_chain():
+    assert _levels({"a": set(), "b": {"a"}, "c": {"a", "b"}}) == {"a": 1, "b": 2, "c": 3}
+
+
+def test_the_library_is_a_few_packages_on_a_few_levels():
+    """docs/architecture.md: at most 16 top-level nodes on at most 9 levels, and no file over ~600 lines."""
+    graph = _top_level_graph()
+    assert not _cycles(graph)
+    levels = _levels(graph)
+    by_level = {}
+    for node, n in sorted(levels.items()):
+        by_level.setdefault(n, []).append(node)
+    shown = "; ".join(f"{n}: {', '.join(nodes)}" for n, nodes in sorted(by_level.items()))
+    assert len(graph) <= 16 and max(levels.values()) <= 9, shown
+    long = {str(p.relative_to(ROOT)): n for p in ROOT.rglob("*.py") if (n := len(p.read_text().splitlines())) > 620}
+    assert not long, long

@@ -1,6 +1,6 @@
 """Exact accounting with LoRA: the shared step loop on a tiny LoRA model.
 
-The recipe trains adapters through ``torchtune_ext.step.train_step`` like the
+The recipe trains adapters through ``torchtune_ext.train.step.train_step`` like the
 full fine-tune does; these tests check that splitting a step into
 micro-batches changes nothing for the adapters either, and that the frozen
 base weights never move.
@@ -9,9 +9,9 @@ base weights never move.
 import pytest
 import torch
 
-from helpers import clone, instruct_samples, rel_diff, text_samples, tiny_lora_model, windows
-from torchtune_ext.loss import SummedCrossEntropyLoss
-from torchtune_ext.step import forward_backward, train_step
+from helpers import backward_mode, clone, instruct_samples, rel_diff, text_samples, tiny_lora_model, windows
+from torchtune_ext.train.loss import SummedCrossEntropyLoss
+from torchtune_ext.train.step import forward_backward, train_step
 
 CPU = torch.device("cpu")
 TOL = 1e-5
@@ -37,7 +37,7 @@ def run_sgd(model, step_windows, once, lr=0.5):
     loss_fn.take_output_projection(model)
     history = []
     for i, w in enumerate(step_windows):
-        r = train_step(model, opt, loss_fn, w, device=CPU, backward_once_per_step=once, step=i + 1)
+        r = train_step(model, opt, loss_fn, w, device=CPU, backward=backward_mode(once), step=i + 1)
         history.append((r.loss, r.grad_norm, r.num_tokens))
     return history
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import IGNORE, rel_diff
-from torchtune_ext.accounting import count_trainable_tokens, global_sum
-from torchtune_ext.loss import SummedCrossEntropyLoss, shift_labels
+from helpers import IGNORE, backward_mode, rel_diff
+from torchtune_ext.train.accounting import count_trainable_tokens, global_sum
+from torchtune_ext.train.loss import SummedCrossEntropyLoss, shift_labels
 
 
 def test_shift_labels():
@@ -92,7 +92,7 @@ def test_token_metrics_are_sums_over_trainable_positions(chunks):
 def test_token_metrics_in_cpu_blocks_equal_the_whole_chunk(monkeypatch, rows):
     """On CPU the metrics go through the rows in blocks (cache-sized); blocks of 3 rows, with a
     remainder, and of one row give the whole-chunk counts and entropy."""
-    import torchtune_ext.loss as loss_module
+    import torchtune_ext.train.loss as loss_module
 
     torch.manual_seed(2)
     log_probs = torch.log_softmax(torch.randn(rows, 13) * 3, dim=-1)
@@ -132,20 +132,20 @@ def test_torchtune_losses_become_summed(caplog):
     from omegaconf import OmegaConf
 
     from torchtune_ext.config import ConfigError
-    from torchtune_ext.loss import build_loss
+    from torchtune_ext.train.loss import build_loss
 
     upstream = OmegaConf.create({"_component_": "torchtune.modules.loss.CEWithChunkedOutputLoss",
                                  "num_output_chunks": 4, "ignore_index": -1})
     with caplog.at_level(logging.INFO):
         loss_fn = build_loss(upstream)
-    said = [r for r in caplog.records if "is computed as torchtune_ext.loss.SummedCrossEntropyLoss" in r.message]
+    said = [r for r in caplog.records if "is computed as torchtune_ext.train.loss.SummedCrossEntropyLoss" in r.message]
     assert [r.name for r in said] == ["torchtune.utils._logging"]
     assert isinstance(loss_fn, SummedCrossEntropyLoss)
     assert (loss_fn.num_output_chunks, loss_fn.ignore_index) == (4, -1)
     plain = build_loss(OmegaConf.create({"_component_": "torch.nn.CrossEntropyLoss"}))
     assert isinstance(plain, SummedCrossEntropyLoss) and plain.ignore_index == IGNORE
     with pytest.raises(ConfigError, match="loss.label_smoothing': is not supported with torch.nn.CrossEntropyLoss, "
-                       "which runs as torchtune_ext.loss.SummedCrossEntropyLoss .*; it takes ignore_index$"):
+                       "which runs as torchtune_ext.train.loss.SummedCrossEntropyLoss .*; it takes ignore_index$"):
         build_loss(OmegaConf.create({"_component_": "torch.nn.CrossEntropyLoss", "label_smoothing": 0.1}))
     with pytest.raises(ConfigError, match="cannot be normalized exactly"):
         build_loss(OmegaConf.create({"_component_": "torch.nn.MSELoss"}))
@@ -186,12 +186,12 @@ def _micro_batches():
 
 
 def _step_grads(model, loss_fn, once, seed=7):
-    from torchtune_ext.step import forward_backward
+    from torchtune_ext.train.step import forward_backward
 
     torch.manual_seed(seed)  # LoRA dropout draws the same masks in every run
     model.zero_grad(set_to_none=True)
     totals = forward_backward(model, loss_fn, _micro_batches(), device=torch.device("cpu"),
-                              backward_once_per_step=once)
+                              backward=backward_mode(once))
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return totals, grads
 
@@ -387,7 +387,7 @@ def test_no_trainable_row_still_reaches_every_parameter():
 
 def test_output_chunk_rule():
     """auto: fp32 logits per chunk under 256 MiB, never under 1024 rows; an integer n: n equal chunks."""
-    from torchtune_ext.loss import AUTO_CHUNK_BYTES, MIN_CHUNK_ROWS, rows_per_output_chunk
+    from torchtune_ext.train.loss import AUTO_CHUNK_BYTES, MIN_CHUNK_ROWS, rows_per_output_chunk
 
     assert rows_per_output_chunk("auto", 5000, 49_152) == 1365          # SmolLM2: 1365 x 49152 x 4 B < 256 MiB
     assert 1365 * 49_152 * 4 <= AUTO_CHUNK_BYTES < 1366 * 49_152 * 4
@@ -415,9 +415,9 @@ def test_num_output_chunks_is_checked():
     from omegaconf import OmegaConf
 
     from torchtune_ext.config import ConfigError
-    from torchtune_ext.loss import build_loss
+    from torchtune_ext.train.loss import build_loss
 
-    ours = OmegaConf.create({"_component_": "torchtune_ext.loss.SummedCrossEntropyLoss"})
+    ours = OmegaConf.create({"_component_": "torchtune_ext.train.loss.SummedCrossEntropyLoss"})
     assert build_loss(ours).num_output_chunks == "auto"
     for bad in (0, "many", True):
         with pytest.raises(ConfigError, match="loss.num_output_chunks"):

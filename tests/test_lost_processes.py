@@ -19,9 +19,9 @@ from omegaconf import OmegaConf
 import resume_jobs
 from helpers import REPO_ROOT, read_jsonl
 from torchtune_ext.checkpoint import incomplete_checkpoints, list_checkpoints, verify_checkpoint
-from torchtune_ext.control.exits import STOP_OTHERS_SIGNAL
-from torchtune_ext.control.run_lock import holder
 from torchtune_ext.errors import OUTCOME_FILE_ENV
+from torchtune_ext.run.control.exits import STOP_OTHERS_SIGNAL
+from torchtune_ext.run.control.run_lock import holder
 
 RECIPE = "recipes/full_finetune_distributed.py"
 
@@ -213,7 +213,7 @@ def test_the_launcher_names_the_lost_rank_and_the_checkpoint(tmp_path, capsys, m
                                                              failures, status, line):
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from torchtune_ext.control import exits, launcher
+    from torchtune_ext.run.control import exits, launcher
 
     out = tmp_path / "out"
     (out / "step_4").mkdir(parents=True)
@@ -251,7 +251,7 @@ def launcher_signal_handlers():
 
 LOSES_A_PEER = textwrap.dedent("""
     import sys
-    from torchtune_ext.control.exits import exit_on_user_error
+    from torchtune_ext.run.control.exits import exit_on_user_error
 
     @exit_on_user_error
     def recipe_main(cfg):
@@ -271,8 +271,8 @@ def test_a_worker_that_loses_a_peer_ends_quietly_as_a_consequence(tmp_path, laun
     traceback."""
     import sys
 
-    from torchtune_ext.control.exits import LOST_PEER
     from torchtune_ext.errors import LAUNCHER_PID_ENV
+    from torchtune_ext.run.control.exits import LOST_PEER
 
     error_file = tmp_path / "error.json"
     env = {k: v for k, v in os.environ.items() if k not in (LAUNCHER_PID_ENV, OUTCOME_FILE_ENV)}
@@ -296,7 +296,7 @@ def test_a_worker_that_loses_a_peer_ends_quietly_as_a_consequence(tmp_path, laun
 def test_a_worker_killed_before_the_job_held_its_folder_names_no_checkpoint(tmp_path, capsys):
     """Killed during its imports or before the lock: no folder of this job to look in (it may be another
     run's), so the line says to start again."""
-    from torchtune_ext.control import launcher
+    from torchtune_ext.run.control import launcher
 
     with pytest.raises(SystemExit) as exit_info:
         launcher._exit_for_lost_rank({1: failure(tmp_path, 1, -9), 0: failure(tmp_path, 0, STOPPED)}, None)
@@ -311,7 +311,7 @@ def test_the_launcher_gives_each_rendezvous_round_a_store_of_its_own(monkeypatch
     """torch >= 2.5 shares its agent's store with every attempt of a job, and a restarted rank read the dead
     rank's address from it: the restart case above hung or failed in 2 of 4 runs (none of 4 since). The launcher
     turns the sharing off for torchrun's run; a value the user set stays."""
-    from torchtune_ext.control import launcher
+    from torchtune_ext.run.control import launcher
 
     if preset is None:
         monkeypatch.delenv(launcher.SHARED_STORE_OFF_ENV, raising=False)
@@ -327,7 +327,7 @@ def test_a_restart_in_torchruns_shared_store_says_what_to_set(monkeypatch, caplo
     would hang), what to set."""
     import logging
 
-    from torchtune_ext import distributed
+    from torchtune_ext.parallel import mesh as distributed
 
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
@@ -361,7 +361,7 @@ def test_a_restart_names_the_failure_and_a_reported_one_ends_the_job(tmp_path, c
 
     from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
 
-    from torchtune_ext.control import launcher
+    from torchtune_ext.run.control import launcher
 
     result = RunResult(state=WorkerState.FAILED,
                        failures={r: failure(tmp_path, r, code, msg) for r, (msg, code) in failures.items()})

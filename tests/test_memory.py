@@ -8,10 +8,11 @@ from torchtune import modules, training
 from torchtune.models.llama3_2 import llama3_2
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
-from helpers import IGNORE, RecordingLoss, collate, instruct_samples, rel_diff
-from torchtune_ext import memory
-from torchtune_ext.loss import SummedCrossEntropyLoss
-from torchtune_ext.memory import (
+from helpers import IGNORE, RecordingLoss, backward_mode, collate, instruct_samples, rel_diff
+from torchtune_ext.model.builders import lora_tiny_llama
+from torchtune_ext.train import memory
+from torchtune_ext.train.loss import SummedCrossEntropyLoss
+from torchtune_ext.train.memory import (
     MemoryGuard,
     MicroBatchShape,
     ModelShape,
@@ -20,8 +21,8 @@ from torchtune_ext.memory import (
     model_shape,
     step_peak_bytes,
 )
-from torchtune_ext.models import lora_tiny_llama
-from torchtune_ext.step import forward_backward, train_step
+from torchtune_ext.train.objective import Prepared
+from torchtune_ext.train.step import forward_backward, train_step
 
 CPU = torch.device("cpu")
 ARCH = dict(vocab_size=512, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=64, intermediate_dim=160,
@@ -180,7 +181,7 @@ def test_default_limit_is_what_torchtunes_recipe_needs_for_the_step(caplog):
     model = build("full")
     loss_fn = RecordingLoss()
     loss_fn.take_output_projection(model)
-    shapes = memory.shapes_of([(mb, None) for mb in micro_batches()], [1, 1, 1])
+    shapes = memory.shapes_of([Prepared(mb, None, 1, 1) for mb in micro_batches()])
     once_need = step_peak_bytes(model_shape(model), shapes, once_per_step=True)
     small = [MicroBatchShape(2, 12, 24)]  # one short padded micro-batch: less than the three kept graphs
     large = [MicroBatchShape(2, 256, 512)] * 3  # its logits alone outweigh the kept graphs
@@ -295,7 +296,7 @@ def test_deferred_sync_only_where_the_unsharded_gradients_fit():
     import dataclasses
 
     model = build("full")
-    shapes = memory.shapes_of([(mb, None) for mb in micro_batches()], [1, 1, 1])
+    shapes = memory.shapes_of([Prepared(mb, None, 1, 1) for mb in micro_batches()])
     free = {"bytes": 1 << 50}
     guard = MemoryGuard(model, CPU, available=lambda _device: free["bytes"])
     unsharded = guard.shape
@@ -350,12 +351,12 @@ def test_out_of_memory_is_redone_per_micro_batch(caplog):
         model.layers[0].register_forward_pre_hook(oom_on_second_forward)
         guard = MemoryGuard(model, CPU, available=lambda _device: None)
         torch.manual_seed(11)
-        totals = forward_backward(model, loss_fn, micro_batches(), device=CPU, backward_once_per_step=once,
+        totals = forward_backward(model, loss_fn, micro_batches(), device=CPU, backward=backward_mode(once),
                                   memory_guard=guard, step=5)
         return totals, grads_of(model), guard, calls["n"]
 
     reference, ref_grads, _, _ = run(once=False, fail=False)
-    with caplog.at_level(logging.WARNING, logger="torchtune_ext.step"):
+    with caplog.at_level(logging.WARNING, logger="torchtune_ext.train.step"):
         totals, grads, guard, forwards = run(once=True, fail=True)
     assert forwards == 2 + 3  # the failed attempt got to the second micro-batch; then all three again
     assert [r.getMessage() for r in caplog.records if "out of memory" in r.getMessage()] != []

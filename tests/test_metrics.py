@@ -10,8 +10,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from torchtune_ext.metrics import MetricLogger, build_metric_logger, step_record
-from torchtune_ext.step import StepResult
+from torchtune_ext.run.metrics import MetricLogger, build_metric_logger, step_record
+from torchtune_ext.train.step import StepResult
 from wandb_reader import read_offline_run
 
 CPU = torch.device("cpu")
@@ -34,7 +34,7 @@ def test_skipped_step_logs_no_loss():
 PEAK_PROBE = """
 import time
 import torch
-from torchtune_ext.metrics import peak_memory_gib, reset_peak_memory
+from torchtune_ext.run.metrics import peak_memory_gib, reset_peak_memory
 cpu = torch.device("cpu")
 GIB = 1024 ** 3
 
@@ -143,8 +143,8 @@ def test_log_lines_during_training_are_written_above_the_progress_bar(monkeypatc
     import io
     import logging
 
-    from torchtune_ext.metrics import StepReporter
-    from torchtune_ext.metrics import reporter as reporter_module
+    from torchtune_ext.run.metrics import StepReporter
+    from torchtune_ext.run.metrics import reporter as reporter_module
 
     console = io.StringIO()
     monkeypatch.setattr(sys, "stderr", console)  # where the bar and a console handler write
@@ -189,7 +189,7 @@ def fake_checkpoint(output_dir, step):
 
 def test_a_full_disk_while_logging_a_step_stops_within_seconds_naming_the_checkpoint(tmp_path, monkeypatch):
     from torchtune_ext.checkpoint import CheckpointSaveError, OutputWriteError
-    from torchtune_ext.metrics import logger as logger_module
+    from torchtune_ext.run.metrics import logger as logger_module
 
     monkeypatch.setattr(logger_module, "BACKEND_CLOSE_TIMEOUT_S", 0.5)
     latest = fake_checkpoint(tmp_path, 4)
@@ -252,7 +252,7 @@ def test_lr_is_logged_at_full_precision_and_the_last_step_line_shows_it(tmp_path
     line shows it in 3 significant figures."""
     import logging
 
-    from torchtune_ext.metrics import StepReporter
+    from torchtune_ext.run.metrics import StepReporter
 
     lr = 2.9e-06 * (1 + 1e-12)  # not a round number: any rounding on the way would show
     cfg = OmegaConf.create({"output_dir": str(tmp_path), "metric_logger": {
@@ -278,7 +278,7 @@ def test_a_distributed_recipe_on_one_rank_logs_the_distributed_keys(tmp_path):
     assert one["dp_world_size"] == 1 and one["tokens_per_second_per_device"] == one["tokens_per_second"] == 150.0
     alone = step_record(r, step=1, epoch=0, lr=1e-4, step_seconds=2.0, device=CPU)
     assert "dp_world_size" not in alone and "tokens_per_second_per_device" not in alone
-    from torchtune_ext.metrics import StepReporter
+    from torchtune_ext.run.metrics import StepReporter
 
     reporter = StepReporter(MetricLogger(tmp_path / "metrics.jsonl"), CPU, total_steps=1, distributed=True)
     reporter.start_step()

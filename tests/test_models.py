@@ -3,7 +3,7 @@ import torch
 from torchtune.models.llama3_1._position_embeddings import Llama3ScaledRoPE
 from torchtune.modules import RotaryPositionalEmbeddings
 
-from torchtune_ext.models import lora_smollm2_135m, lora_tiny_llama, smollm2_135m, tiny_llama
+from torchtune_ext.model.builders import lora_smollm2_135m, lora_tiny_llama, smollm2_135m, tiny_llama
 
 
 def test_scale_factor_one_rope_is_plain_rope():

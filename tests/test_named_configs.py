@@ -81,7 +81,7 @@ def tiny_folders(tmp_path_factory, smollm2_assets):
 @pytest.mark.parametrize("path", NAMED, ids=lambda p: f"{p.parent.name}/{p.stem}")
 def test_a_named_config_passes_the_checks_on_a_folder_of_its_family(path, tiny_folders, tmp_path):
     from torchtune_ext.config import DISTRIBUTED_KEYS, LORA_KEYS, validate
-    from torchtune_ext.preflight import check_components
+    from torchtune_ext.run.preflight import check_components
 
     cfg = OmegaConf.load(path)
     family = FAMILY[path.parent.name] + (" image-text" if cfg.model.get("text_only") else "")

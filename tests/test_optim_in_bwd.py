@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from helpers import clone, instruct_samples, rel_diff, tiny_lora_model, tiny_model, windows
-from torchtune_ext.loss import SummedCrossEntropyLoss
-from torchtune_ext.memory import MemoryGuard
-from torchtune_ext.optim_in_bwd import OptimizerInBackward
-from torchtune_ext.step import train_step
+from torchtune_ext.train.loss import SummedCrossEntropyLoss
+from torchtune_ext.train.memory import MemoryGuard
+from torchtune_ext.train.optim_in_bwd import OptimizerInBackward
+from torchtune_ext.train.step import train_step
 
 CPU = torch.device("cpu")
 # Prompt-masked samples of very different lengths: the step normalization matters.
@@ -18,14 +18,14 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
 
 
-def run(model, optimizer, steps, backward_once_per_step=True, loss_projects=False, memory_guard=None):
+def run(model, optimizer, steps, backward="once_per_step", loss_projects=False, memory_guard=None):
     loss_fn = SummedCrossEntropyLoss(num_output_chunks=1)
     if loss_projects:  # as the recipes: the loss applies the (tied) output projection, recomputed in backward
         loss_fn.take_output_projection(model)
     results = []
     for window in steps:
         results.append(train_step(model, optimizer, loss_fn, window, device=CPU,
-                                  backward_once_per_step=backward_once_per_step, memory_guard=memory_guard))
+                                  backward=backward, memory_guard=memory_guard))
     return results
 
 
@@ -55,13 +55,13 @@ def test_several_micro_batches_get_one_backward(loss_projects):
     base = tiny_model()
     steps = windows(SAMPLES, batch_size=3, grad_accum=2)  # 2 micro-batches per step
     ref_model, bwd_model = clone(base), clone(base)
-    ref = run(ref_model, adamw(list(ref_model.parameters())), steps, backward_once_per_step=False,
+    ref = run(ref_model, adamw(list(ref_model.parameters())), steps, backward="per_micro_batch",
               loss_projects=loss_projects)
     optimizer = OptimizerInBackward(bwd_model.parameters(), adamw)
     # a memory guard that finds no memory for once per step (the recipes always pass one) is not
     # followed either: a backward per micro-batch would update with the first micro-batch's gradient
     guard = MemoryGuard(bwd_model, CPU, optimizer, available=lambda _device: 0)
-    got = run(bwd_model, optimizer, steps, backward_once_per_step=False, loss_projects=loss_projects,
+    got = run(bwd_model, optimizer, steps, backward="per_micro_batch", loss_projects=loss_projects,
               memory_guard=guard)
     assert [g.loss for g in got] == pytest.approx([r.loss for r in ref], rel=1e-6)
     for p, q in zip(ref_model.parameters(), bwd_model.parameters()):

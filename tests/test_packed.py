@@ -6,11 +6,22 @@ import pytest
 import torch
 from torchtune.datasets import PackedDataset
 
-from helpers import IGNORE, clone, collate, instruct_samples, rel_diff, text_samples, tiny_lora_model, tiny_model
-from torchtune_ext.accounting import count_trainable_tokens
+from helpers import (
+    IGNORE,
+    backward_mode,
+    clone,
+    collate,
+    instruct_samples,
+    rel_diff,
+    text_samples,
+    tiny_lora_model,
+    tiny_model,
+)
 from torchtune_ext.data import collate_packed
-from torchtune_ext.loss import SummedCrossEntropyLoss
-from torchtune_ext.step import prepare_micro_batch, train_step
+from torchtune_ext.train.accounting import count_trainable_tokens
+from torchtune_ext.train.loss import SummedCrossEntropyLoss
+from torchtune_ext.train.objective import prepare_micro_batch
+from torchtune_ext.train.step import train_step
 
 CPU = torch.device("cpu")
 TOL = 1e-5
@@ -25,7 +36,7 @@ def test_two_lines_of_hamlet_have_ten_predictions_not_eleven(smollm2_assets, tmp
     """The issue's example: "To be or not to be" (6 predictions) and "That is the question" (4), packed."""
     from torchtune.datasets import text_completion_dataset
 
-    from torchtune_ext.tokenizer import smollm2_tokenizer
+    from torchtune_ext.data.tokenizer import smollm2_tokenizer
 
     data = tmp_path / "hamlet.jsonl"
     data.write_text("\n".join(json.dumps({"text": t}) for t in ["To be or not to be", "That is the question"]))
@@ -55,7 +66,7 @@ def run_step(model, micro_batches, once):
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
     loss_fn = SummedCrossEntropyLoss(2, IGNORE)
     loss_fn.take_output_projection(model)
-    result = train_step(model, opt, loss_fn, micro_batches, device=CPU, backward_once_per_step=once)
+    result = train_step(model, opt, loss_fn, micro_batches, device=CPU, backward=backward_mode(once))
     return result, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -147,7 +158,7 @@ def test_pack_micro_batches_equals_the_padded_step(data, once, kind):
 
 def test_collate_as_pack_restarts_positions_and_stops_the_shift_at_each_sample():
     from torchtune_ext.data import collate_as_pack
-    from torchtune_ext.step import prepare_micro_batch
+    from torchtune_ext.train.objective import prepare_micro_batch
 
     samples = [{"tokens": [1, 2, 3], "labels": [IGNORE, 2, 3]}, {"tokens": [4, 5], "labels": [4, 5]}]
     batch = collate_as_pack(samples)

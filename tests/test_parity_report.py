@@ -21,11 +21,11 @@ from omegaconf import OmegaConf
 from helpers import IGNORE, REPO_ROOT, clone, collate, instruct_samples, rel_diff, tiny_model
 from tiny_setup import write_tiny_setup
 from torchtune_ext.config import ConfigError, validate
-from torchtune_ext.loss import SummedCrossEntropyLoss, shift_labels
-from torchtune_ext.parity_report import analysis, plots
-from torchtune_ext.parity_report.cases import Case, case_command, case_overrides, plan_cases, select_cases
-from torchtune_ext.parity_report.cli import main, resolve_tolerance
-from torchtune_ext.parity_report.control import mean_of_means_forward_backward, recipe_module
+from torchtune_ext.tools.parity_report import analysis, plots
+from torchtune_ext.tools.parity_report.cases import Case, case_command, case_overrides, plan_cases, select_cases
+from torchtune_ext.tools.parity_report.cli import main, resolve_tolerance
+from torchtune_ext.tools.parity_report.control import mean_of_means_forward_backward, recipe_module
+from torchtune_ext.train.loss import SummedCrossEntropyLoss, shift_labels
 from wandb_reader import _records
 
 CPU = torch.device("cpu")
@@ -42,7 +42,7 @@ def test_cases_for_n4_cover_every_split_in_both_modes_and_the_control():
     ]
     assert all(c.global_batch_size == 4 for c in cases)
     assert [c.control for c in cases] == [False] * 6 + [True]
-    assert cases[0].backward_once_per_step and not cases[1].backward_once_per_step
+    assert cases[0].once_per_step and not cases[1].once_per_step
 
 
 def test_cases_with_ranks_and_small_or_odd_n():
@@ -69,7 +69,7 @@ def test_select_cases_keeps_the_reference_and_names_the_valid_ones():
 def test_case_command_and_overrides(tmp_path):
     control = plan_cases(4)[-1]
     overrides = case_overrides(control, steps=5, output_dir=tmp_path, seed=3, wandb_group="g")
-    for expected in ("batch_size=1", "gradient_accumulation_steps=4", "backward_once_per_step=false",
+    for expected in ("batch_size=1", "gradient_accumulation_steps=4", "backward=per_micro_batch",
                      "once_per_step_memory_limit=device",
                      "max_steps_per_epoch=5", f"output_dir={tmp_path}", "seed=3", "save_final_checkpoint=false",
                      "metric_logger.group=g", f"metric_logger.name={control.name}"):
@@ -77,7 +77,8 @@ def test_case_command_and_overrides(tmp_path):
     assert not any(o.startswith("metric_logger") for o in case_overrides(
         control, steps=5, output_dir=tmp_path, seed=3, wandb_group=None))
     # the control goes through the report's own launcher, never through a config key
-    assert case_command(control, "r.py", "c.yaml", [])[1:4] == ["-m", "torchtune_ext.parity_report.control", "r.py"]
+    control_module = "torchtune_ext.tools.parity_report.control"
+    assert case_command(control, "r.py", "c.yaml", [])[1:4] == ["-m", control_module, "r.py"]
     dp = plan_cases(4, nproc=2)[-2]
     assert case_command(dp, "r.py", "c.yaml", [])[3:7] == ["run", "--nproc_per_node", "2", "r.py"]
     assert recipe_module("recipes/full_finetune_single_device.py") == "recipes.full_finetune_single_device"
@@ -90,7 +91,7 @@ def test_tolerance_defaults_by_dtype():
 
 def test_console_script_points_at_main():
     scripts = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["tune-parity-report"] == "torchtune_ext.parity_report.cli:main"
+    assert scripts["tune-parity-report"] == "torchtune_ext.tools.parity_report.cli:main"
 
 
 # ----------------------------------------------------------- comparison
@@ -261,7 +262,7 @@ label position, padding and masked prompt included, so the step loss depends on
 how the step is split into micro-batches."""
 import sys
 
-from torchtune_ext import accounting
+from torchtune_ext.train import accounting
 
 
 def _count_every_position(shifted_labels, ignore_index=-100):

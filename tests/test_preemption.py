@@ -19,9 +19,9 @@ from omegaconf import OmegaConf
 import resume_jobs
 from helpers import REPO_ROOT, read_jsonl, run_tune
 from torchtune_ext.checkpoint import MANIFEST, list_checkpoints, verify_checkpoint
-from torchtune_ext.control.exits import record_outcome
-from torchtune_ext.control.preemption import REPEAT_WINDOW_S, resume_command
 from torchtune_ext.errors import EXIT_STOPPED, OUTCOME_FILE_ENV
+from torchtune_ext.run.control.exits import record_outcome
+from torchtune_ext.run.control.preemption import REPEAT_WINDOW_S, resume_command
 
 RECIPE = "recipes/full_finetune_single_device.py"
 LONG = ["epochs=12"]  # 48 steps of a few milliseconds each: the signal arrives mid-run
@@ -91,7 +91,7 @@ def test_signal_saves_says_how_to_resume_and_resumes_exactly(tiny, tmp_path, sig
 SCRIPT = textwrap.dedent("""
     import os, signal, sys, time
     import torch
-    from torchtune_ext.control.preemption import GracefulStop
+    from torchtune_ext.run.control.preemption import GracefulStop
     stop = GracefulStop(torch.device("cpu"), output_dir=sys.argv[1] or None)
     assert not stop.requested()
     os.kill(os.getpid(), signal.SIGTERM)
@@ -163,7 +163,7 @@ def test_a_scheduler_signalling_the_whole_job_gets_the_workers_exit_status(tiny,
 FINISHED_SCRIPT = textwrap.dedent("""
     import os, signal, time
     import torch
-    from torchtune_ext.control.preemption import GracefulStop
+    from torchtune_ext.run.control.preemption import GracefulStop
     stop = GracefulStop(torch.device("cpu"))
     assert stop.finished() == 0   # training ran to its end; the cleanup (W&B's finish) follows
     os.kill(os.getpid(), signal.SIGTERM)
@@ -197,7 +197,7 @@ def test_resume_command_names_the_recipe_file(monkeypatch):
 
 LATE_SIGNAL_SCRIPT = textwrap.dedent("""
     import atexit, os, signal, sys, time
-    from torchtune_ext.control import exits
+    from torchtune_ext.run.control import exits
 
     def late_signal():  # as W&B's exit hook, which takes seconds: a scheduler's SIGTERM arrives meanwhile
         os.kill(os.getpid(), signal.SIGTERM)
@@ -252,7 +252,7 @@ def test_every_nodes_launcher_learns_a_shared_status(tmp_path, monkeypatch, rank
 def test_ctrl_c_asks_for_the_same_stop_as_sigterm(tmp_path, capfd, monkeypatch):
     """SIGINT (Ctrl-C) takes GracefulStop's handler as SIGTERM does: a stop after the step, said with its name
     (the end-to-end path: test_signal_saves_says_how_to_resume_and_resumes_exactly with SIGTERM)."""
-    from torchtune_ext.control import preemption
+    from torchtune_ext.run.control import preemption
 
     monkeypatch.setattr(preemption, "finish_wandb", lambda status: None)
     monkeypatch.setattr(preemption, "record_outcome", lambda *args, **kwargs: None)

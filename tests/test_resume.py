@@ -1,4 +1,4 @@
-"""torchtune_ext.resume.check_resume_point: where a run starts, checked before any work."""
+"""torchtune_ext.run.resume.check_resume_point: where a run starts, checked before any work."""
 
 import json
 
@@ -6,7 +6,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from torchtune_ext.errors import ConfigError
-from torchtune_ext.resume import check_resume_point
+from torchtune_ext.run.resume import check_resume_point
 
 
 def _cfg(out, resume):

@@ -20,8 +20,8 @@ import resume_jobs
 from helpers import REPO_ROOT, read_jsonl
 from torchtune_ext.checkpoint import list_checkpoints, verify_checkpoint
 from torchtune_ext.config import ConfigError
-from torchtune_ext.control.rollback import output_dir_unchanged_on_error
-from torchtune_ext.control.run_lock import LOCK_FILE, OutputDirLock, check_not_in_use, holder
+from torchtune_ext.run.control.rollback import output_dir_unchanged_on_error
+from torchtune_ext.run.control.run_lock import LOCK_FILE, OutputDirLock, check_not_in_use, holder
 
 RECIPE = "recipes/full_finetune_single_device.py"
 
@@ -144,7 +144,7 @@ def test_two_runs_started_together_then_a_third(setup_yaml, tmp_path):
 
 def test_a_killed_holder_leaves_no_stuck_lock(tmp_path):
     out = tmp_path / "out"
-    script = ("import sys, time; from torchtune_ext.control.run_lock import OutputDirLock; "
+    script = ("import sys, time; from torchtune_ext.run.control.run_lock import OutputDirLock; "
               f"lock = OutputDirLock({str(out)!r}); print('locked', flush=True); time.sleep(600)")
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
     proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True)
@@ -164,8 +164,8 @@ HOLDER = textwrap.dedent("""
     import sys, time
     from pathlib import Path
     from torchtune_ext.config import ConfigError
-    from torchtune_ext.control.rollback import output_dir_unchanged_on_error
-    from torchtune_ext.control.run_lock import OutputDirLock
+    from torchtune_ext.run.control.rollback import output_dir_unchanged_on_error
+    from torchtune_ext.run.control.run_lock import OutputDirLock
     out, then = Path(sys.argv[1]), sys.argv[2]
     with output_dir_unchanged_on_error(str(out)):
         lock = OutputDirLock(str(out))

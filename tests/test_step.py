@@ -1,4 +1,4 @@
-"""Exactness of the shared micro-batch loop (torchtune_ext.step) on a tiny model."""
+"""Exactness of the shared micro-batch loop (torchtune_ext.train.step) on a tiny model."""
 
 import math
 
@@ -10,6 +10,7 @@ from helpers import (
     IGNORE,
     VOCAB,
     ConstantLossModel,
+    backward_mode,
     clone,
     collate,
     constant_loss_sample,
@@ -20,10 +21,10 @@ from helpers import (
     windows,
 )
 from torchtune_ext.errors import NonFiniteError
-from torchtune_ext.grad_norm import grad_norm_and_clip
-from torchtune_ext.loss import SummedCrossEntropyLoss
-from torchtune_ext.runtime import embedding_rows_into_grad
-from torchtune_ext.step import StepHealth, forward_backward, train_step
+from torchtune_ext.model.runtime import embedding_rows_into_grad
+from torchtune_ext.train.grad_norm import grad_norm_and_clip
+from torchtune_ext.train.loss import SummedCrossEntropyLoss
+from torchtune_ext.train.step import StepHealth, forward_backward, train_step
 
 CPU = torch.device("cpu")
 TOL = 1e-5
@@ -69,7 +70,7 @@ def run_steps(model, step_windows, once, lr=0.5, chunks=1, output="loss"):
     loss_fn = attach_loss(model, chunks, output)
     history = []
     for i, w in enumerate(step_windows):
-        r = train_step(model, opt, loss_fn, w, device=CPU, backward_once_per_step=once, step=i + 1)
+        r = train_step(model, opt, loss_fn, w, device=CPU, backward=backward_mode(once), step=i + 1)
         history.append((r.loss, r.grad_norm, r.num_tokens))
     return history, {n: p.detach().clone() for n, p in model.named_parameters()}
 
@@ -117,7 +118,7 @@ def test_matches_independent_reference(once, chunks, output):
     ref_loss, ref_grads = reference_step(model, samples)
     loss_fn = attach_loss(model, chunks, output)
     micro = [collate(samples[:2], pad_to=50), collate(samples[2:])]
-    totals = forward_backward(model, loss_fn, micro, device=CPU, backward_once_per_step=once)
+    totals = forward_backward(model, loss_fn, micro, device=CPU, backward=backward_mode(once))
     # tokens counted after the shift: one fewer per row than label entries when all are trainable
     trainable = sum(sum(label != IGNORE for label in s["labels"][1:]) for s in samples)
     assert totals.num_tokens == totals.local_num_tokens == trainable
@@ -145,7 +146,7 @@ def test_worked_example(batch_size, grad_accum, once):
     samples = [constant_loss_sample(0, 10), constant_loss_sample(1, 100)]
     (w,) = windows(samples, batch_size, grad_accum)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    result = train_step(model, opt, SummedCrossEntropyLoss(1, IGNORE), w, device=CPU, backward_once_per_step=once)
+    result = train_step(model, opt, SummedCrossEntropyLoss(1, IGNORE), w, device=CPU, backward=backward_mode(once))
     assert result.num_tokens == 110
     assert result.loss == pytest.approx((0.1 * 10 + 0.9 * 100) / 110, rel=1e-6)
     assert result.loss == pytest.approx(0.82727, abs=1e-5)
@@ -239,7 +240,7 @@ def test_embedding_rows_into_grad_gives_the_same_gradients_and_updates(once):
         loss_fn = attach_loss(model)
         grads = []
         for w in step_windows:
-            forward_backward(model, loss_fn, w, device=CPU, backward_once_per_step=once)
+            forward_backward(model, loss_fn, w, device=CPU, backward=backward_mode(once))
             assert model.tok_embeddings.weight.grad.layout == torch.strided
             grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
             opt.step()
@@ -259,7 +260,7 @@ def test_embedding_rows_into_grad_gives_the_same_gradients_and_updates(once):
 def test_embedding_rows_into_grad_reach_optimizer_in_backward():
     """The weight's gradient hook runs after the embedding's rows are in: the in-backward update equals the normal
     one."""
-    from torchtune_ext.optim_in_bwd import OptimizerInBackward
+    from torchtune_ext.train.optim_in_bwd import OptimizerInBackward
 
     step_windows = windows(instruct_samples([3, 10, 6, 2, 8, 5], [12, 2, 5, 9, 1, 14]), batch_size=2, grad_accum=3)
     reference, rows = tiny_model(), tiny_model()
@@ -277,7 +278,7 @@ def test_embedding_rows_into_grad_reach_optimizer_in_backward():
 def test_embedding_rows_into_grad_only_where_it_is_safe():
     """Untied, frozen, on a GPU or compiled: the embedding keeps autograd's backward. (A padding_idx is
     kept exactly: tests/test_hf_tied_embedding.py.)"""
-    from torchtune_ext.models import tiny_llama
+    from torchtune_ext.model.builders import tiny_llama
 
     untied = tiny_llama(vocab_size=VOCAB, embed_dim=32, tie_word_embeddings=False)
     frozen = tiny_model()
@@ -308,7 +309,7 @@ def test_a_skipped_first_step_advances_the_schedule_without_torchs_warning():
 
     from omegaconf import OmegaConf
 
-    from torchtune_ext.step import build_lr_scheduler
+    from torchtune_ext.train.step import build_lr_scheduler
 
     optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))], lr=1.0)
     cfg = OmegaConf.create({"_component_": "torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup",

@@ -12,12 +12,12 @@ import torch
 import torch.distributed as dist
 
 from helpers import IGNORE, instruct_samples, tiny_model, windows
-from torchtune_ext import accounting
-from torchtune_ext import step as step_module
 from torchtune_ext.data import StepLoader, make_collate
-from torchtune_ext.loss import SummedCrossEntropyLoss
-from torchtune_ext.metrics import progress_description, step_record
-from torchtune_ext.step import StepResult, train_step, waiting_shares
+from torchtune_ext.run.metrics import progress_description, step_record
+from torchtune_ext.train import accounting
+from torchtune_ext.train import step as step_module
+from torchtune_ext.train.loss import SummedCrossEntropyLoss
+from torchtune_ext.train.step import StepResult, train_step, waiting_shares
 
 CPU = torch.device("cpu")
 

@@ -15,11 +15,11 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, 
 
 from helpers import rel_diff, run_worker
 from torchtune_ext.config import DISTRIBUTED_KEYS, LORA_KEYS, ConfigError, validate
-from torchtune_ext.distributed import PLAN_FAMILIES, check_tensor_parallel, tensor_parallel_plan
-from torchtune_ext.grad_norm import split_dims
+from torchtune_ext.parallel.tensor_parallel import PLAN_FAMILIES, check_tensor_parallel, tensor_parallel_plan
+from torchtune_ext.train.grad_norm import split_dims
 
 TOL = 1e-5
-TINY = "torchtune_ext.models.tiny_llama"
+TINY = "torchtune_ext.model.builders.tiny_llama"
 
 
 # ------------------------------------------------------------- the checks
@@ -78,20 +78,20 @@ def test_a_model_without_a_plan_is_refused():
     assert err.value.key == "tensor_parallel_plan" and "has no tensor-parallel plan" in str(err.value)
     assert "tensor_parallel_dim=1" in str(err.value)
     # a transformers model brings its own (tests/test_hf_tensor_parallel.py)
-    assert tensor_parallel_plan(None, "torchtune_ext.hf.causal_lm") is None
+    assert tensor_parallel_plan(None, "torchtune_ext.model.hf.causal_lm") is None
 
 
 def test_lora_splits_with_its_base_but_dora_and_qlora_do_not():
-    lora = meta("torchtune_ext.models.lora_tiny_llama", lora_attn_modules=["q_proj", "v_proj"])
+    lora = meta("torchtune_ext.model.builders.lora_tiny_llama", lora_attn_modules=["q_proj", "v_proj"])
     check_tensor_parallel(lora, tensor_parallel_plan(None, TINY), 2, TINY)
-    dora = meta("torchtune_ext.models.lora_tiny_llama", lora_attn_modules=["q_proj", "v_proj"], use_dora=True)
+    dora = meta("torchtune_ext.model.builders.lora_tiny_llama", lora_attn_modules=["q_proj", "v_proj"], use_dora=True)
     with pytest.raises(ConfigError) as err:
         check_tensor_parallel(dora, tensor_parallel_plan(None, TINY), 2, TINY)
     assert err.value.key == "tensor_parallel_plan" and "DoRA's magnitude" in str(err.value), str(err.value)
     # QLoRA: NF4 needs weights of 64 x 256 values at least, more than the tiny model's
     from torchtune.modules.peft import LoRALinear
 
-    from torchtune_ext.lora_parallel import refusal
+    from torchtune_ext.parallel.lora import refusal
 
     assert refusal(LoRALinear(128, 128, rank=2, alpha=4, quantize_base=True)) == "its base weight is quantized (NF4)"
     assert refusal(LoRALinear(128, 128, rank=2, alpha=4)) is None
@@ -127,7 +127,7 @@ def test_compiling_is_refused_under_tensor_parallelism(cfg, monkeypatch):
 
 def test_the_config_check_finds_them_before_anything_loads(cfg, monkeypatch):
     """preflight (run before the data, weights or output_dir are touched) builds the model on meta and checks."""
-    from torchtune_ext.preflight import check_components
+    from torchtune_ext.run.preflight import check_components
 
     monkeypatch.setenv("WORLD_SIZE", "4")
     cfg.tensor_parallel_dim = 4
@@ -135,7 +135,7 @@ def test_the_config_check_finds_them_before_anything_loads(cfg, monkeypatch):
     cfg = validate(cfg, extra_keys=DISTRIBUTED_KEYS)
     with pytest.raises(ConfigError, match="num_kv_heads=2"):
         check_components(cfg, torch.device("cpu"))
-    dora = validate(OmegaConf.merge(cfg, {"model": {"_component_": "torchtune_ext.models.lora_tiny_llama",
+    dora = validate(OmegaConf.merge(cfg, {"model": {"_component_": "torchtune_ext.model.builders.lora_tiny_llama",
                                                     "lora_attn_modules": ["q_proj"], "num_kv_heads": 4,
                                                     "use_dora": True},
                                           "tensor_parallel_dim": 2}),
@@ -151,7 +151,7 @@ CASES = [
     {"name": "dp2_tp2_once", "tp": 2, "once": True},
     {"name": "qwen2_dp4", "tp": 1, "arch": "qwen2"},
     {"name": "qwen2_dp2_tp2", "tp": 2, "arch": "qwen2"},
-    # LoRA (torchtune_ext.lora_parallel): adapters split with their base; Qwen2's on its untied output too
+    # LoRA (torchtune_ext.parallel.lora): adapters split with their base; Qwen2's on its untied output too
     {"name": "lora_dp4", "tp": 1, "model": "lora"},
     {"name": "lora_dp2_tp2", "tp": 2, "model": "lora"},
     {"name": "qwen2_lora_dp4", "tp": 1, "arch": "qwen2", "model": "lora"},

@@ -13,8 +13,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from torchtune.data import CROSS_ENTROPY_IGNORE_IDX, ChatMLTemplate, Message
 from torchtune.datasets import alpaca_dataset, chat_dataset, text_completion_dataset
 
-from torchtune_ext.assets import MissingAssetError
-from torchtune_ext.tokenizer import SmolLM2Tokenizer, smollm2_tokenizer
+from torchtune_ext.data.assets import MissingAssetError
+from torchtune_ext.data.tokenizer import SmolLM2Tokenizer, smollm2_tokenizer
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. 1234567890",
@@ -234,7 +234,7 @@ def hf_ids(folder, messages, **options):
 
 
 def test_chat_template_writes_what_the_tokenizer_writes(real_tok, smollm2_assets, tmp_path):
-    from torchtune_ext.tokenizer import write_chat_template
+    from torchtune_ext.checkpoint.tokenizer_files import write_chat_template
 
     folder = tmp_path / "saved"
     folder.mkdir()
@@ -256,7 +256,7 @@ def test_chat_template_writes_what_the_tokenizer_writes(real_tok, smollm2_assets
 
 
 def test_write_chat_template_replaces_the_one_transformers_reads(tmp_path):
-    from torchtune_ext.tokenizer import write_chat_template
+    from torchtune_ext.checkpoint.tokenizer_files import write_chat_template
 
     base = tmp_path / "base"
     base.mkdir()
@@ -277,7 +277,7 @@ def test_write_chat_template_replaces_the_one_transformers_reads(tmp_path):
 def test_training_chat_template_only_for_message_data(tiny_run):
     from omegaconf import OmegaConf
 
-    from torchtune_ext.tokenizer import training_chat_template
+    from torchtune_ext.data.tokenizer import training_chat_template
 
     cfg = OmegaConf.load(tiny_run())
     assert training_chat_template(cfg) == smollm2_tokenizer(cfg.tokenizer.path).chat_template
@@ -287,7 +287,7 @@ def test_training_chat_template_only_for_message_data(tiny_run):
 
 def test_torchtunes_own_tokenizers_leave_the_copied_template(tmp_path):
     from families import FAMILIES, write_qwen_bpe
-    from torchtune_ext.tokenizer import training_chat_template
+    from torchtune_ext.data.tokenizer import training_chat_template
 
     write_qwen_bpe(tmp_path)
     tokenizer = {k: (str(tmp_path / v) if k.endswith("path") or k == "merges_file" else v)
@@ -300,7 +300,7 @@ def test_torchtunes_own_tokenizers_leave_the_copied_template(tmp_path):
 BRACKETS = "{% for m in messages %}[{{ m.role }}] {{ m.content }}<|im_end|>\n{% endfor %}"
 
 
-@pytest.mark.parametrize("tokenizer", [{}, {"tokenizer._component_": "torchtune_ext.hf.tokenizer.hf_tokenizer",
+@pytest.mark.parametrize("tokenizer", [{}, {"tokenizer._component_": "torchtune_ext.data.hf_tokenizer.hf_tokenizer",
                                             "tokenizer.chat_template": BRACKETS}], ids=["smollm2", "hf"])
 @pytest.mark.slow
 def test_saved_checkpoint_carries_the_chat_template_training_used(tiny_run, tokenizer):
@@ -343,7 +343,7 @@ def test_tokenizer_path_that_is_not_a_tokenizer_is_one_config_error(tiny_cfg, ki
     import torch
 
     from torchtune_ext.config import ConfigError
-    from torchtune_ext.preflight import check_components
+    from torchtune_ext.run.preflight import check_components
 
     cfg = tiny_cfg()
     path = not_tokenizers(Path(cfg.output_dir).parent)[kind]
@@ -359,7 +359,7 @@ def test_torchtune_tokenizer_on_a_wrong_file_names_what_it_reads(tiny_cfg):
     import torch
 
     from torchtune_ext.config import ConfigError
-    from torchtune_ext.preflight import check_components
+    from torchtune_ext.run.preflight import check_components
 
     cfg = tiny_cfg()
     path = not_tokenizers(Path(cfg.output_dir).parent)["json"]

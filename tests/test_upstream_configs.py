@@ -27,8 +27,8 @@ from omegaconf import OmegaConf
 
 from helpers import REPO_ROOT
 from torchtune_ext.config import DISTRIBUTED_KEYS, LORA_KEYS, ConfigError, validate
-from torchtune_ext.models import is_hf_config
-from torchtune_ext.upstream import FAMILY_MODEL_TYPES, RECIPES, download_command, model_family, packaged_configs
+from torchtune_ext.config.upstream import FAMILY_MODEL_TYPES, RECIPES, download_command, model_family, packaged_configs
+from torchtune_ext.model.build import is_hf_config
 
 SCHEMAS = {
     "full_finetune_single_device": None,
@@ -194,9 +194,9 @@ def _check(recipe: str, name: str, path: Path, tmp_path: Path) -> None:
         assert "\n" not in str(err.value)
 
     model_args = {k: v for k, v in OmegaConf.to_container(cfg.model).items() if k != "_component_"}
-    if component.startswith("torchtune_ext.models"):
+    if component.startswith("torchtune_ext.model"):
         builder, kw = "llama3_2", dict(model_args)  # SmolLM2: llama3_2 with its own dimensions
-        from torchtune_ext import models
+        from torchtune_ext.model import builders as models
 
         kw = {**models._SMOLLM2_135M, **kw}
         if "lora_attn_modules" in kw:

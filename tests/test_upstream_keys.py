@@ -32,7 +32,7 @@ def test_optimizer_in_bwd_needs_one_micro_batch_and_no_clipping(cfg):
 def test_resume_keeps_optimizer_in_bwd(cfg):
     """The saved optimizer state's layout follows optimizer_in_bwd: a resume that flips it is refused."""
     from torchtune_ext.checkpoint import Progress, ResumeState
-    from torchtune_ext.resume import check_resume
+    from torchtune_ext.run.resume import check_resume
 
     cfg = validate(cfg)
     saved = ResumeState(Progress(step=2), {}, [], config={**OmegaConf.to_container(cfg), "optimizer_in_bwd": True})
@@ -52,7 +52,7 @@ def test_optimizer_package_not_installed(cfg):
 def test_multimodal_model_is_refused(cfg):
     cfg.model = {"_component_": "torchtune.models.llama3_2_vision.llama3_2_vision_11b", "image_size": 560}
     refused(cfg, "model._component_", "multimodal", "text-only model")
-    cfg.model = {"_component_": "torchtune_ext.models.tiny_llama"}
+    cfg.model = {"_component_": "torchtune_ext.model.builders.tiny_llama"}
     cfg.collate_fn = "torchtune.data.padded_collate_tiled_images_and_mask"
     refused(cfg, "collate_fn", "multimodal", "padded_collate_sft")
 
@@ -115,7 +115,7 @@ def test_activation_offloading_needs_cuda_and_checkpointing(cfg):
 def test_activation_offloading_wraps_every_forward():
     """The offloading context is entered before and left after each forward of the model."""
     from helpers import tiny_model
-    from torchtune_ext.runtime import offload_activations
+    from torchtune_ext.model.runtime import offload_activations
 
     events = []
 
@@ -160,7 +160,7 @@ def test_fsdp_cpu_offload_section_is_reported_not_read(cfg, caplog):
 def test_low_cpu_ram_only_in_the_single_device_lora_recipe(cfg):
     cfg.low_cpu_ram = True
     refused(cfg, "low_cpu_ram", "low_cpu_ram=false")
-    cfg.model = {"_component_": "torchtune_ext.models.lora_tiny_llama", "lora_attn_modules": ["q_proj"]}
+    cfg.model = {"_component_": "torchtune_ext.model.builders.lora_tiny_llama", "lora_attn_modules": ["q_proj"]}
     refused(cfg, "low_cpu_ram", "distributed", extra_keys={**LORA_KEYS, **DISTRIBUTED_KEYS})
     assert validate(cfg, extra_keys=LORA_KEYS).low_cpu_ram is True
 
@@ -168,7 +168,7 @@ def test_low_cpu_ram_only_in_the_single_device_lora_recipe(cfg):
 def test_low_cpu_ram_switches_torchtunes_qlora_hook():
     from torchtune.modules import common_utils
 
-    from torchtune_ext.runtime import use_low_cpu_ram
+    from torchtune_ext.model.runtime import use_low_cpu_ram
 
     try:
         use_low_cpu_ram(True)
@@ -186,8 +186,8 @@ def test_profiler_section(cfg):
 
 
 def test_log_peak_memory_stats_false_leaves_the_memory_out():
-    from torchtune_ext.metrics import step_record
-    from torchtune_ext.step import StepResult
+    from torchtune_ext.run.metrics import step_record
+    from torchtune_ext.train.step import StepResult
 
     result = StepResult(1.0, 10, 10, 0.5)
     kwargs = dict(step=1, epoch=0, lr=1e-3, step_seconds=1.0, device=torch.device("cpu"))
@@ -211,7 +211,7 @@ def test_collate_fn_is_used(tmp_path):
 
     cfg = OmegaConf.create({
         "dataset": {"_component_": "helpers.synthetic_sft_dataset", "num_samples": 4},
-        "model": {"_component_": "torchtune_ext.models.tiny_llama"},  # its max_seq_len bounds the samples
+        "model": {"_component_": "torchtune_ext.model.builders.tiny_llama"},  # its max_seq_len bounds the samples
         "collate_fn": "test_upstream_keys.COLLATE", "batch_size": 2, "gradient_accumulation_steps": 1,
         "shuffle": False, "group_by_length": False, "max_tokens_per_micro_batch": None, "max_steps_per_epoch": None,
         "data_errors": "warn",

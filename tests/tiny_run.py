@@ -26,7 +26,7 @@ def make_tiny_run(root: Path, assets: Path, n_samples: int = 24, **overrides) ->
     copy_smollm2_tokenizer(assets, ckpt)
     write_dataset(root / "data.json", n_samples)
     cfg = tiny_recipe_config("configs/smollm2/135M_full_single_device.yaml",
-                             {"_component_": "torchtune_ext.models.tiny_llama"}, assets, ckpt, root / "out")
+                             {"_component_": "torchtune_ext.model.builders.tiny_llama"}, assets, ckpt, root / "out")
     cfg.tokenizer.path = str(ckpt)
     cfg.dataset.data_files = str(root / "data.json")  # all of it (tiny_recipe_config: split train)
     cfg.max_steps_per_epoch = None

@@ -93,7 +93,7 @@ model:
   max_seq_len: {MAX_SEQ_LEN}
   intermediate_dim: {HIDDEN}
 tokenizer:
-  _component_: torchtune_ext.tokenizer.smollm2_tokenizer
+  _component_: torchtune_ext.data.tokenizer.smollm2_tokenizer
   path: {ckpt}
   max_seq_len: {MAX_SEQ_LEN}
 dataset:
@@ -117,7 +117,7 @@ optimizer:
   _component_: torch.optim.AdamW
   lr: 1e-3
 loss:
-  _component_: torchtune_ext.loss.SummedCrossEntropyLoss
+  _component_: torchtune_ext.train.loss.SummedCrossEntropyLoss
   num_output_chunks: 2
 clip_grad_norm: 1.0
 device: cpu

@@ -6,7 +6,7 @@ Each case trains a tiny model of tests/dist_worker.py (``arch``: the tied
 Llama, or the Qwen2 with its own output projection and q/k/v biases) from the
 same initial weights for 4 AdamW steps (clipping active) on the same global
 batch of 4 samples per step, through the pieces the distributed recipes use:
-:func:`torchtune_ext.distributed.build_parallelism` (``tp`` ranks per
+:func:`torchtune_ext.parallel.mesh.build_parallelism` (``tp`` ranks per
 tensor-parallel group, the rest data parallel), ``shard_model`` (tensor
 parallel, then FSDP2 over ``dp``), ``StepLoader`` on the data-parallel
 coordinates, and ``train_step`` reducing over the data-parallel group.
@@ -36,13 +36,13 @@ from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
 from dist_worker import build, initial_state
 from helpers import IGNORE
-from torchtune_ext import distributed
+from torchtune_ext import parallel as distributed
 from torchtune_ext.data import StepLoader, build_dataset, make_collate
-from torchtune_ext.loss import SummedCrossEntropyLoss
-from torchtune_ext.step import train_step
+from torchtune_ext.train.loss import SummedCrossEntropyLoss
+from torchtune_ext.train.step import train_step
 
 CPU = torch.device("cpu")
-PLAN_OF = {"llama": "torchtune_ext.models.tiny_llama", "qwen2": "torchtune.models.qwen2.qwen2"}
+PLAN_OF = {"llama": "torchtune_ext.model.builders.tiny_llama", "qwen2": "torchtune.models.qwen2.qwen2"}
 SWITCH_AFTER = 2
 
 faulthandler.enable()

@@ -13,7 +13,7 @@ module name and changes nothing when there is no local ``recipes`` package.
 
 It also installs :class:`TuneLauncherHook`: in the ``tune`` command, when
 torchtune's ``tune run`` module is imported, its torchrun entry point is
-wrapped by :func:`torchtune_ext.control.launcher.quiet_reported_failures`, so that a
+wrapped by :func:`torchtune_ext.run.control.launcher.quiet_reported_failures`, so that a
 distributed recipe that stopped on bad input exits with its one line and
 status 2 instead of torchrun's ``ChildFailedError`` traceback.
 """
@@ -57,7 +57,7 @@ class TuneLauncherHook(importlib.abc.MetaPathFinder):
             try:
                 # only in the tune command, once it imports torchtune's launcher: a .pth file imports this
                 # module at every interpreter start-up, which must not pay for torch
-                from torchtune_ext.control.launcher import quiet_reported_failures
+                from torchtune_ext.run.control.launcher import quiet_reported_failures
 
                 module.run = quiet_reported_failures(module.run)
                 module.Run._run_cmd = _check_recipe_path(module.Run._run_cmd)

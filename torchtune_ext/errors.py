@@ -18,9 +18,9 @@ Exit statuses of the recipes (the contract a job script reads):
   go on.
 * 75 (:data:`EXIT_STOPPED`, ``EX_TEMPFAIL``): stopped by SIGTERM or SIGINT
   after a checkpoint was saved; continue with ``resume_from_checkpoint=true``
-  (:mod:`torchtune_ext.control.preemption`).
+  (:mod:`torchtune_ext.run.control.preemption`).
 
-Each ends the run with one line on stderr (:mod:`torchtune_ext.control.exits`).
+Each ends the run with one line on stderr (:mod:`torchtune_ext.run.control.exits`).
 Anything else is a bug or a crash and keeps its traceback.
 
 Only the standard library is imported here: the ``tune`` launcher, the asset
@@ -29,7 +29,7 @@ download and every layer of the library use these names.
 
 from typing import Optional
 
-# The command that creates the bundled model, tokenizer and data (torchtune_ext.download).
+# The command that creates the bundled model, tokenizer and data (torchtune_ext.tools.download).
 DOWNLOAD_COMMAND = "python -m torchtune_ext.download"
 
 EXIT_USER_ERROR = 2
@@ -42,12 +42,12 @@ EXIT_STOPPED = 75
 REPORTED_EXIT_CODES = (EXIT_USER_ERROR, EXIT_TRAINING_FAILED, EXIT_IO_ERROR, EXIT_STOPPED)
 
 # Set by the launcher for its workers: rank 0 writes the exit status it ends with (and has said why)
-# to this file (torchtune_ext.control.exits.record_outcome), so that the launcher exits with that
+# to this file (torchtune_ext.run.control.exits.record_outcome), so that the launcher exits with that
 # status even when a scheduler's signal reached it too and torchrun's agent ended with its own
 # SignalException, which carries no worker status: a stop (75), and also a stop whose save failed (74).
 OUTCOME_FILE_ENV = "TORCHTUNE_EXT_OUTCOME_FILE"
 # Set by the launcher for its workers: its pid; a worker ends when that process does
-# (torchtune_ext.control.exits.end_with_launcher).
+# (torchtune_ext.run.control.exits.end_with_launcher).
 LAUNCHER_PID_ENV = "TORCHTUNE_EXT_LAUNCHER_PID"
 
 
@@ -55,7 +55,7 @@ class UserError(ValueError):
     """An expected mistake in the command line, the config or an input file.
 
     The recipes print it as one line and exit with status 2
-    (:func:`torchtune_ext.control.exits.exit_on_user_error`); the message says
+    (:func:`torchtune_ext.run.control.exits.exit_on_user_error`); the message says
     what is wrong and how to fix it.
     """
 
@@ -81,12 +81,12 @@ class MissingAssetError(FileNotFoundError):
     """An asset the download command creates is not on disk.
 
     The message names every missing path and the command that creates it
-    (:func:`torchtune_ext.assets.require_assets`).
+    (:func:`torchtune_ext.data.assets.require_assets`).
     """
 
 
 class ChecksumError(RuntimeError):
-    """A downloaded archive does not have the sha256 recorded in :mod:`torchtune_ext.download`."""
+    """A downloaded archive does not have the sha256 recorded in :mod:`torchtune_ext.tools.download`."""
 
 
 class CheckpointSaveError(RuntimeError):
@@ -108,7 +108,7 @@ class OutputWriteError(CheckpointSaveError):
 
 
 class TrainingHealthError(RuntimeError):
-    """Training has gone bad and was stopped (:mod:`torchtune_ext.health`); the recipes exit with 3.
+    """Training has gone bad and was stopped (:mod:`torchtune_ext.train.health`); the recipes exit with 3.
 
     Attributes:
         step (int): the optimizer step at which it was detected.

@@ -4,9 +4,11 @@ torchrun sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``
 in every worker before any process group exists (the config is checked, and
 an error line printed once, before the recipe joins the group); a process
 group, once joined, gives the same numbers. A plain process has neither, and
-is rank 0 of 1. Collectives themselves stay with the code that needs them;
+is rank 0 of 1. Collectives of tensors stay with the code that needs them;
 before one, ask :func:`several_processes` (the process group, not the
-environment: a collective needs a group).
+environment: a collective needs a group). Two small collectives of Python
+objects are here, for the code that agrees on a decision over all ranks:
+:func:`from_rank_zero` and :func:`from_every_rank`.
 
 Nothing heavy is imported: ``torch.distributed`` is consulted only once
 something else has imported it (before that, no process group can exist).
@@ -14,7 +16,7 @@ something else has imported it (before that, no process group can exist).
 
 import os
 import sys
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 
 def _dist() -> Any:
@@ -88,3 +90,23 @@ def local_rank() -> Optional[int]:
 def local_world_size() -> Optional[int]:
     """The job's processes on this host (torchrun's ``LOCAL_WORLD_SIZE``); None outside torchrun."""
     return _env_int("LOCAL_WORLD_SIZE")
+
+
+def from_rank_zero(value: Any, group: Any = None) -> Any:
+    """Rank 0's ``value`` on every rank of ``group`` (a collective; itself without a process group)."""
+    dist = _dist()
+    if not several_processes(group):
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+def from_every_rank(value: Any, group: Any = None) -> List[Any]:
+    """Every rank's ``value``, in rank order, on every rank of ``group`` (a collective)."""
+    dist = _dist()
+    if not several_processes(group):
+        return [value]
+    values = [None] * process_group_size(group)
+    dist.all_gather_object(values, value, group=group)
+    return values

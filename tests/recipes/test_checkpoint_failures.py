@@ -13,7 +13,7 @@ import resume_jobs
 from helpers import REPO_ROOT
 from torchtune_ext.checkpoint import DiskSpaceError, list_checkpoints, verify_checkpoint, writer
 from torchtune_ext.config import ConfigError
-from torchtune_ext.control.rollback import output_dir_unchanged_on_error
+from torchtune_ext.run.control.rollback import output_dir_unchanged_on_error
 
 RECIPE = "recipes/full_finetune_single_device.py"
 
@@ -161,8 +161,8 @@ def test_a_failed_setup_removes_what_it_added_at_any_depth_and_finishes_wandb_fi
     """A resume's setup adds logs/config_<N>.yaml and a W&B segment inside the existing logs/: they go, with
     what setup created at the top (the staging folder); every file that was there stays as it was. The W&B
     run is finished (with the status the run will end with) before its folder is removed."""
-    from torchtune_ext.control import rollback
-    from torchtune_ext.control.run_lock import OutputDirLock
+    from torchtune_ext.run.control import rollback
+    from torchtune_ext.run.control.run_lock import OutputDirLock
 
     out = tmp_path / "out"
     old = {"logs/metrics.jsonl": "{}\n", "logs/config_1.yaml": "a: 1\n", "logs/wandb/offline-run-1/run.wandb": "x",
@@ -201,7 +201,7 @@ def test_same_size_damage_to_a_checkpoint_stops_the_resume_with_one_line(setup_y
     verify_checkpoint_hashes=false turns the content check off (sizes are still checked)."""
     from helpers import damage_same_size
     from torchtune_ext.config import validate
-    from torchtune_ext.resume import check_resume_point
+    from torchtune_ext.run.resume import check_resume_point
 
     out = tmp_path / "out"
     config = write_config(setup_yaml, out, "epochs=1", "max_steps_per_epoch=1")
@@ -229,7 +229,7 @@ def test_an_unreadable_step_folder_is_one_config_error_when_the_config_is_checke
     """Issue 33 F4: chmod 000 on a step folder gave a PermissionError traceback from validation (exit 1)."""
     from helpers import deny
     from torchtune_ext.config import validate
-    from torchtune_ext.resume import check_resume_point
+    from torchtune_ext.run.resume import check_resume_point
 
     out = tmp_path / "out"
     cfg = OmegaConf.load(write_config(setup_yaml, out))
@@ -276,7 +276,7 @@ def test_an_unreadable_output_dir_is_one_config_error_for_a_new_run(setup_yaml, 
     import os
 
     from torchtune_ext.config import validate
-    from torchtune_ext.resume import check_resume_point
+    from torchtune_ext.run.resume import check_resume_point
 
     out = tmp_path / "out"
     cfg = validate(OmegaConf.load(write_config(setup_yaml, out)))

@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 from families import FAMILIES, model_config, recipe_overrides
 from helpers import read_jsonl, recipe_class, run_recipe
 from torchtune_ext.config import DISTRIBUTED_KEYS, LORA_KEYS, lora_settings, validate
-from torchtune_ext.upstream import packaged_configs
+from torchtune_ext.config.upstream import packaged_configs
 
 pytestmark = pytest.mark.slow  # every test here runs a recipe or torchrun (pyproject.toml: markers)
 
@@ -105,7 +105,7 @@ def test_family_trains_and_saves(name, kind, family_assets, tmp_path):
             assert torch.equal(value, trained[key]), key
         assert any(not torch.equal(trained[k], base[k]) for k in base)
         if cfg.optimizer_in_bwd:  # the packaged config's optimizer_in_bwd: true ran as written
-            from torchtune_ext.optim_in_bwd import OptimizerInBackward
+            from torchtune_ext.train.optim_in_bwd import OptimizerInBackward
 
             assert isinstance(recipe.run.optimizer, OptimizerInBackward)
         return

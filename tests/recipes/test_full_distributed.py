@@ -17,7 +17,7 @@ from helpers import (
     run_tune,
     tiny_alpaca16_config,
 )
-from torchtune_ext import distributed
+from torchtune_ext import parallel as distributed
 from torchtune_ext.checkpoint import list_checkpoints
 from torchtune_ext.config import DISTRIBUTED_KEYS, ConfigError, validate
 from wandb_reader import read_offline_run
@@ -63,7 +63,7 @@ def test_real_checkpoint_two_steps(smollm2_assets, tmp_path):
 
 def tiny_config(assets, tmp_path, output_dir, *overrides):
     """The shipped config on a random tiny model and the first 16 Alpaca samples (unvalidated)."""
-    return tiny_alpaca16_config(CONFIG, {"_component_": "torchtune_ext.models.tiny_llama"}, assets, tmp_path,
+    return tiny_alpaca16_config(CONFIG, {"_component_": "torchtune_ext.model.builders.tiny_llama"}, assets, tmp_path,
                                 output_dir, *overrides)
 
 

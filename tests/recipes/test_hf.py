@@ -2,7 +2,7 @@
 
 A tiny random Qwen3 (tied embeddings, SmolLM2's vocabulary so the real
 tokenizer files serve) written by transformers as a folder, `model_dir` the
-one key that points at it. What the library tests of torchtune_ext.hf check
+one key that points at it. What the library tests of torchtune_ext.model.hf check
 piece by piece, these check through the recipes: a saved step is a Hugging
 Face folder transformers loads, a resume continues exactly, two ranks equal
 one device (full and LoRA), and bad folders are one line before anything loads.
@@ -74,7 +74,7 @@ def test_a_saved_step_is_a_hugging_face_folder_with_the_trained_weights(folder, 
     # default system prompt included)
     from torchtune.data import Message
 
-    from torchtune_ext.hf.tokenizer import hf_tokenizer
+    from torchtune_ext.data.hf_tokenizer import hf_tokenizer
 
     chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
     saved = AutoTokenizer.from_pretrained(str(step)).apply_chat_template(chat, tokenize=True)

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow  # every test here runs a recipe or torchrun (pypr
 
 RECIPE = "recipes/lora_finetune_distributed.py"
 CONFIG = "configs/smollm2/135M_lora.yaml"
-TINY_LORA = {"_component_": "torchtune_ext.models.lora_tiny_llama", "lora_attn_modules": ["q_proj", "v_proj"],
+TINY_LORA = {"_component_": "torchtune_ext.model.builders.lora_tiny_llama", "lora_attn_modules": ["q_proj", "v_proj"],
              "apply_lora_to_mlp": True, "apply_lora_to_output": False, "lora_rank": 4, "lora_alpha": 8,
              "lora_dropout": 0.1}
 SCHEMA = {**LORA_KEYS, **DISTRIBUTED_KEYS}

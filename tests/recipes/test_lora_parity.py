@@ -56,7 +56,7 @@ def settings(root: Path, vocab_size: int, warmup: int, out: Path):
     return [
         f"output_dir={out}", f"checkpointer.checkpoint_dir={root / 'base'}", f"tokenizer.path={root / 'base'}",
         f"tokenizer.max_seq_len={MAX_SEQ_LEN}", f"dataset.data_files={root / 'data.json'}", "dataset.split=train",
-        "model._component_=torchtune_ext.models.lora_tiny_llama", f"model.vocab_size={vocab_size}",
+        "model._component_=torchtune_ext.model.builders.lora_tiny_llama", f"model.vocab_size={vocab_size}",
         *(f"model.{k}={v}" for k, v in {**TINY, **LORA}.items()),
         f"seed={SEED}", "batch_size=2", "gradient_accumulation_steps=2", f"max_steps_per_epoch={STEPS}",
         "optimizer.lr=0.01", f"clip_grad_norm={CLIP}", f"lr_scheduler.num_warmup_steps={warmup}",
@@ -146,7 +146,8 @@ def test_from_its_own_adapter_upstream_parts_from_ours_after_the_first_update(ru
 
 
 def test_the_adapter_hook_draws_ours_and_leaves_the_global_stream_alone():
-    from torchtune_ext.models import initialize_adapters, lora_tiny_llama
+    from torchtune_ext.model.build import initialize_adapters
+    from torchtune_ext.model.builders import lora_tiny_llama
 
     torch.manual_seed(1)
     theirs = lora_tiny_llama(vocab_size=32, **LORA)
@@ -168,7 +169,8 @@ def test_on_the_meta_device_the_hook_loads_our_adapter_after_the_base_weights():
     """Upstream's distributed recipe: the model is built on meta, sharded, its adapters drawn, then the base
     weights loaded with ``load_from_full_model_state_dict``; ours is loaded through that function after them.
     (Checked end to end on 2 processes by hand: the losses then equal our single-device run's to 1.1e-7.)"""
-    from torchtune_ext.models import initialize_adapters, lora_tiny_llama
+    from torchtune_ext.model.build import initialize_adapters
+    from torchtune_ext.model.builders import lora_tiny_llama
 
     reference = lora_tiny_llama(vocab_size=32, **LORA)
     initialize_adapters(reference, SEED)

@@ -27,7 +27,7 @@ from helpers import (
     write_tiny_hf_checkpoint,
 )
 from torchtune_ext.config import LORA_KEYS, ConfigError, validate
-from torchtune_ext.models import lora_tiny_llama, tiny_llama
+from torchtune_ext.model.builders import lora_tiny_llama, tiny_llama
 from wandb_reader import read_offline_run
 
 RECIPE = "recipes/lora_finetune_single_device.py"
@@ -47,7 +47,8 @@ def tiny_checkpoint(tmp_path_factory):
 
 def tiny_config(assets, checkpoint_dir, output_dir, *overrides):
     """The shipped LoRA config on the tiny checkpoint, validated."""
-    model = {"_component_": "torchtune_ext.models.lora_tiny_llama", **TINY_LORA, "lora_dropout": 0.0, "use_dora": False}
+    model = {"_component_": "torchtune_ext.model.builders.lora_tiny_llama", **TINY_LORA, "lora_dropout": 0.0,
+             "use_dora": False}
     cfg = tiny_recipe_config(CONFIG, model, assets, checkpoint_dir, output_dir, *overrides)
     return validate(cfg, extra_keys=LORA_KEYS)
 

@@ -22,7 +22,7 @@ def run(smollm2_assets, tmp_path):
 
     def _run(name, *overrides):
         cfg = tiny_recipe_config("configs/smollm2/135M_full_single_device.yaml",
-                                 {"_component_": "torchtune_ext.models.tiny_llama"}, smollm2_assets, base,
+                                 {"_component_": "torchtune_ext.model.builders.tiny_llama"}, smollm2_assets, base,
                                  tmp_path / name, *SETTINGS, *overrides)
         recipe = run_recipe(RECIPE, validate(cfg))
         return recipe, read_jsonl(tmp_path / name / "logs" / "metrics.jsonl")
@@ -89,7 +89,7 @@ def test_step_that_does_not_fit_runs_per_micro_batch_said_at_debug(run, monkeypa
 
     from torchtune import utils
 
-    from torchtune_ext import memory
+    from torchtune_ext.train import memory
 
     _, rows = run("fits", "once_per_step_memory_limit=device")
     monkeypatch.setattr(memory, "available_memory_bytes", lambda device: 1 << 20)  # 1 MiB free
@@ -120,7 +120,7 @@ def test_arrangements_of_a_step_train_alike(run, monkeypatch):
     same baseline: the ungrouped run's micro-batches (torchtune's), every position a logits row. On this
     tiny model a vocabulary-wide logits row outweighs a token's activations, so the default limit still
     runs once per step, as does once_per_step_memory_limit=device."""
-    from torchtune_ext import memory
+    from torchtune_ext.train import memory
 
     calls = []
     step_needs, decide_step = memory.MemoryGuard.step_needs, memory.MemoryGuard.decide_step
@@ -178,7 +178,7 @@ def test_log_level_applies_and_each_step_logs_its_backward_mode(run, caplog):
         with caplog.at_level(logging.DEBUG):
             _, quiet = run("quiet", "log_level=WARNING")
         assert not [r for r in caplog.records if r.name == logger.name and r.levelno < logging.WARNING]
-        _, each = run("debug", "log_level=DEBUG", "backward_once_per_step=false")
+        _, each = run("debug", "log_level=DEBUG", "backward=per_micro_batch")
         assert logger.getEffectiveLevel() == logging.DEBUG  # nothing imported during the run reset it
     finally:
         utils.get_logger("INFO")
@@ -199,7 +199,7 @@ def test_token_metrics_can_be_turned_off_and_change_nothing_else(run):
 
 def test_training_on_cpu_keeps_freed_memory(run, monkeypatch):
     """The shared loop (every recipe's train()) turns on runtime.keep_freed_cpu_memory for its device."""
-    from torchtune_ext import loop
+    from torchtune_ext.run import loop
 
     calls = []
     monkeypatch.setattr(loop, "keep_freed_cpu_memory", lambda device: calls.append(device.type))

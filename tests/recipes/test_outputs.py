@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 from families import FAMILIES, model_config, recipe_overrides
 from helpers import recipe_class, run_recipe
 from torchtune_ext.config import LORA_KEYS, validate
-from torchtune_ext.upstream import packaged_configs
+from torchtune_ext.config.upstream import packaged_configs
 
 pytestmark = pytest.mark.slow  # every test here runs a recipe or torchrun (pyproject.toml: markers)
 

@@ -20,7 +20,7 @@ from torchao.dtypes.nf4tensor import NF4Tensor
 from families import FAMILIES, recipe_overrides
 from helpers import REPO_ROOT, read_jsonl, recipe_class, run_recipe
 from torchtune_ext.config import LORA_KEYS, ConfigError, validate
-from torchtune_ext.upstream import packaged_configs
+from torchtune_ext.config.upstream import packaged_configs
 
 pytestmark = pytest.mark.slow  # every test here runs a recipe or torchrun (pyproject.toml: markers)
 

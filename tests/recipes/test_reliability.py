@@ -134,7 +134,7 @@ CONFIG_ERRORS = {
     "batch_size=0": ["batch_size", "positive integer"],
     "gradient_accumulation_steps=-1": ["gradient_accumulation_steps", "positive integer"],
     "gradient_accumulation_steps=2.5": ["gradient_accumulation_steps", "positive integer"],
-    "backward_once_per_step=maybe": ["backward_once_per_step", "true or false"],
+    "backward_once_per_step=false": ["backward_once_per_step", "use backward=per_micro_batch"],
     "once_per_step_memory_limit=gpu": ["once_per_step_memory_limit", "torchtune, device"],
     "optimizer_in_bwd=true": ["optimizer_in_bwd", "gradient_accumulation_steps"],
     "tokenizer.max_seq_len=1": ["tokenizer.max_seq_len", ">= 2"],
@@ -154,7 +154,7 @@ CONFIG_ERRORS = {
 @pytest.mark.parametrize("override", sorted(CONFIG_ERRORS))
 def test_config_errors_name_the_key(tiny_run, override):
     from torchtune_ext.config import ConfigError, validate
-    from torchtune_ext.resume import check_resume_point
+    from torchtune_ext.run.resume import check_resume_point
 
     config = tiny_run(gradient_accumulation_steps=2)
     cfg = OmegaConf.merge(OmegaConf.load(config), OmegaConf.from_dotlist([override]))

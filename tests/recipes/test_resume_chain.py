@@ -26,8 +26,8 @@ from safetensors.torch import load_file
 import resume_jobs
 from helpers import REPO_ROOT, run_worker
 from torchtune_ext.checkpoint import list_checkpoints, verify_checkpoint
-from torchtune_ext.control.run_lock import OutputDirLock
 from torchtune_ext.errors import EXIT_STOPPED
+from torchtune_ext.run.control.run_lock import OutputDirLock
 
 pytestmark = pytest.mark.slow  # every test here runs a recipe or torchrun (pyproject.toml: markers)
 

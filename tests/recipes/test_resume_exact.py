@@ -18,14 +18,14 @@ from torchtune_ext.config import LORA_KEYS, validate
 
 pytestmark = pytest.mark.slow  # every test here runs a recipe or torchrun (pyproject.toml: markers)
 
-TINY_LORA = {"_component_": "torchtune_ext.models.lora_tiny_llama", "lora_attn_modules": ["q_proj", "v_proj"],
+TINY_LORA = {"_component_": "torchtune_ext.model.builders.lora_tiny_llama", "lora_attn_modules": ["q_proj", "v_proj"],
              "apply_lora_to_mlp": True, "apply_lora_to_output": False, "lora_rank": 4, "lora_alpha": 8,
              "lora_dropout": 0.1}
 
 RECIPES = {
     # name: (recipe file, class, config, tiny model, extra schema keys, overrides, trained weights file)
     "full": ("recipes/full_finetune_single_device.py", "FullFinetuneRecipeSingleDevice",
-             "configs/smollm2/135M_full_single_device.yaml", {"_component_": "torchtune_ext.models.tiny_llama"},
+             "configs/smollm2/135M_full_single_device.yaml", {"_component_": "torchtune_ext.model.builders.tiny_llama"},
              None, [], "model-00001-of-00001.safetensors"),
     "lora": ("recipes/lora_finetune_single_device.py", "LoRAFinetuneRecipeSingleDevice",
              "configs/smollm2/135M_lora_single_device.yaml", TINY_LORA,

@@ -247,7 +247,7 @@ def rewrite_recipe_state(folder, change):
 def test_a_lora_checkpoint_without_a_saved_config_and_another_rank_is_one_line(setup_yaml, tmp_path):
     """Checkpoints of earlier versions hold no config: the adapter is checked when it loads (F9's 424 lines)."""
     from torchtune_ext.checkpoint import check_adapter_fits, load_recipe_state
-    from torchtune_ext.models import instantiate_lora_model
+    from torchtune_ext.model.build import instantiate_lora_model
 
     out = tmp_path / "out"
     lora_stopped_at_2(setup_yaml, out)
@@ -271,7 +271,7 @@ def test_a_lora_checkpoint_without_a_saved_config_and_another_rank_is_one_line(s
 def test_an_optimizer_state_that_does_not_fit_is_one_line(setup_yaml, tmp_path):
     """Whatever else gets past the checks (an earlier version's checkpoint of another model): no traceback."""
     from torchtune_ext.checkpoint import load_recipe_state
-    from torchtune_ext.resume import restore_training
+    from torchtune_ext.run.resume import restore_training
 
     out = tmp_path / "out"
     stopped_at_2(setup_yaml, out)

@@ -20,7 +20,7 @@ import torch
 
 from helpers import copy_smollm2_tokenizer, read_jsonl, rel_diff, run_tune
 from hf_tiny import write_tiny
-from torchtune_ext.checkpoint.export import main as export_main
+from torchtune_ext.tools.export import main as export_main
 
 pytestmark = pytest.mark.slow
 

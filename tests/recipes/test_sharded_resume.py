@@ -34,7 +34,7 @@ from safetensors.torch import load_file
 import resume_jobs
 from helpers import REPO_ROOT, run_tune
 from torchtune_ext.checkpoint import is_sharded, list_checkpoints, verify_checkpoint
-from torchtune_ext.checkpoint.export import main as export_main
+from torchtune_ext.tools.export import main as export_main
 
 pytestmark = pytest.mark.slow  # every test here runs torchrun (pyproject.toml: markers)
 

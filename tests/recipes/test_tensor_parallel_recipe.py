@@ -45,7 +45,7 @@ LAYOUTS = {"dp4": ["tensor_parallel_dim=1", "batch_size=1", "gradient_accumulati
 def launch(tmp_path, assets, name, *overrides):
     out = tmp_path / name
     config = tmp_path / f"{name}.yaml"
-    OmegaConf.save(tiny_alpaca16_config(CONFIG, {"_component_": "torchtune_ext.models.tiny_llama"}, assets,
+    OmegaConf.save(tiny_alpaca16_config(CONFIG, {"_component_": "torchtune_ext.model.builders.tiny_llama"}, assets,
                                         tmp_path, out, *SETTINGS, *overrides), config)
     proc = run_tune("--nproc_per_node", "4", RECIPE, "--config", str(config), timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -137,7 +137,7 @@ def launch_nodes(config, nodes=2, nproc_per_node=2, **popen):
 
 def save_config(assets, tmp_path, name, *overrides):
     out, config = tmp_path / name, tmp_path / f"{name}.yaml"
-    OmegaConf.save(tiny_alpaca16_config(CONFIG, {"_component_": "torchtune_ext.models.tiny_llama"}, assets,
+    OmegaConf.save(tiny_alpaca16_config(CONFIG, {"_component_": "torchtune_ext.model.builders.tiny_llama"}, assets,
                                         tmp_path, out, *overrides), config)
     return out, config
 
@@ -188,8 +188,8 @@ def test_bad_tensor_parallel_settings_stop_before_the_model_loads(smollm2_assets
     words = "config key 'tensor_parallel_dim': 2 does not divide the model's num_kv_heads=1"
     out = tmp_path / "run"
     config = tmp_path / "bad.yaml"
-    OmegaConf.save(tiny_alpaca16_config(CONFIG, {"_component_": "torchtune_ext.models.tiny_llama"}, smollm2_assets,
-                                        tmp_path, out, *overrides), config)
+    tiny = {"_component_": "torchtune_ext.model.builders.tiny_llama"}
+    OmegaConf.save(tiny_alpaca16_config(CONFIG, tiny, smollm2_assets, tmp_path, out, *overrides), config)
     proc = run_tune(*launcher, RECIPE, "--config", str(config), timeout=300)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2, proc.stderr[-3000:]

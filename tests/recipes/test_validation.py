@@ -29,16 +29,16 @@ from helpers import (
     tiny_alpaca16_config,
     write_tiny_hf_checkpoint,
 )
-from torchtune_ext import evaluate as evaluate_module
 from torchtune_ext.config import DISTRIBUTED_KEYS, LORA_KEYS, ConfigError, validate
+from torchtune_ext.run import evaluate as evaluate_module
 from wandb_reader import read_offline_run
 
 pytestmark = pytest.mark.slow  # every test here runs a recipe or torchrun (pyproject.toml: markers)
 
-TINY_LORA = {"_component_": "torchtune_ext.models.lora_tiny_llama", "lora_attn_modules": ["q_proj", "v_proj"],
+TINY_LORA = {"_component_": "torchtune_ext.model.builders.lora_tiny_llama", "lora_attn_modules": ["q_proj", "v_proj"],
              "apply_lora_to_mlp": True, "apply_lora_to_output": False, "lora_rank": 4, "lora_alpha": 8,
              "lora_dropout": 0.1}
-TINY_FULL = {"_component_": "torchtune_ext.models.tiny_llama"}
+TINY_FULL = {"_component_": "torchtune_ext.model.builders.tiny_llama"}
 RECIPES = {
     # name: (recipe file, class, config, tiny model, schema keys)
     "full": ("recipes/full_finetune_single_device.py", "FullFinetuneRecipeSingleDevice",

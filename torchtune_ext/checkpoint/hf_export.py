@@ -40,13 +40,14 @@ from safetensors.torch import save_file
 from torchtune.models import convert_weights
 
 from torchtune_ext.checkpoint.discovery import MANIFEST, RECIPE_STATE, list_checkpoints
+from torchtune_ext.checkpoint.files import make_readable
 from torchtune_ext.checkpoint.lora_export import adapter_config, arrange_lora_folder
 from torchtune_ext.checkpoint.resume_state import load_recipe_state
 from torchtune_ext.checkpoint.sharded import is_adapter_key, is_sharded, read_full_tensors, saved_tensors
+from torchtune_ext.checkpoint.tokenizer_files import write_chat_template
 from torchtune_ext.config import import_component, lora_settings
 from torchtune_ext.errors import UserError
 from torchtune_ext.text import short
-from torchtune_ext.tokenizer import training_chat_template, write_chat_template
 
 INDEX = "model.safetensors.index.json"
 # What the HF checkpointer does not copy from the base folder: weights and their indexes (torchtune's list),
@@ -60,7 +61,7 @@ class ExportLayout:
 
     The default is torchtune's ``FullModelHFCheckpointer`` (:func:`torchtune_layout`); a checkpointer class
     with a ``sharded_export_layout(cfg_checkpointer, cfg_model, saved)`` method gives its own
-    (:meth:`torchtune_ext.hf.HFCheckpointer.sharded_export_layout`: the model's keys are HF names already).
+    (:meth:`torchtune_ext.model.hf.HFCheckpointer.sharded_export_layout`: the model's keys are HF names already).
 
     Attributes:
         convert: saved keys (merged, adapters dropped) -> HF names and layout; meta tensors give the names alone.
@@ -253,12 +254,16 @@ def _write_adapter(out: Path, adapter: Dict[str, torch.Tensor], cfg_model: Any, 
 EXPORT_MARKER = ".export-in-progress"
 
 
-def export_step(step_folder: Path, out: Path) -> List[str]:
+def export_step(step_folder: Path, out: Path,
+                chat_template_of: Optional[Callable[[Dict[str, Any]], Optional[str]]] = None) -> List[str]:
     """The Hugging Face folder of a sharded checkpoint, written to ``out`` in this process.
 
     The base checkpoint, model type, LoRA settings and training's chat
     template are the run's (its ``recipe_state.pt``); relative paths in its
-    config are taken from the folder training ran in. ``out`` is written as
+    config are taken from the folder training ran in. ``chat_template_of``
+    gives training's chat template from the run's config (called in that
+    folder; :func:`torchtune_ext.data.tokenizer.training_chat_template`);
+    None: the base folder's tokenizer files stay as copied. ``out`` is written as
     ``<out>.partial`` (with :data:`EXPORT_MARKER` inside) and renamed when
     complete; its files are readable as a checkpoint's (:func:`make_readable`).
     Returns the names written.
@@ -269,8 +274,6 @@ def export_step(step_folder: Path, out: Path) -> List[str]:
             exists and is not empty, or ``<out>.partial`` is a folder this tool
             did not make. Nothing is written then.
     """
-    from torchtune_ext.checkpoint.writer import make_readable  # the writer's rule, for the same files
-
     step_folder, out = Path(step_folder).absolute(), Path(out).absolute()
     if not is_sharded(step_folder):
         raise UserError(_not_sharded(step_folder))
@@ -288,7 +291,7 @@ def export_step(step_folder: Path, out: Path) -> List[str]:
     checkpointer = dict(config["checkpointer"])
     run_dir = _run_dir(step_folder, config, state.run_dir, str(checkpointer["checkpoint_dir"]))
     checkpointer["checkpoint_dir"] = str(run_dir / str(checkpointer["checkpoint_dir"]))  # absolute stays absolute
-    template = _training_chat_template(config, run_dir)
+    template = _training_chat_template(config, run_dir, chat_template_of) if chat_template_of else None
     lora = any(is_adapter_key(k) for k in saved_tensors(step_folder))
     if partial.exists():
         shutil.rmtree(partial)  # an interrupted export's (it holds the marker)
@@ -363,8 +366,9 @@ def _run_dir(step_folder: Path, config: Dict[str, Any], recorded: Optional[str],
                     "the base checkpoint folder there")
 
 
-def _training_chat_template(config: Dict[str, Any], run_dir: Path) -> Optional[str]:
-    """Training's chat template (:func:`training_chat_template`), its tokenizer built in the folder training ran in.
+def _training_chat_template(config: Dict[str, Any], run_dir: Path,
+                            chat_template_of: Callable[[Dict[str, Any]], Optional[str]]) -> Optional[str]:
+    """Training's chat template, its tokenizer built in the folder training ran in.
 
     Raises:
         UserError: the tokenizer cannot be built (its files are gone).
@@ -373,7 +377,7 @@ def _training_chat_template(config: Dict[str, Any], run_dir: Path) -> Optional[s
 
     try:
         with contextlib.chdir(run_dir):  # the tokenizer's relative paths are the run's
-            return training_chat_template(config)
+            return chat_template_of(config)
     except Exception as err:
         raise UserError(f"the run's tokenizer (config key 'tokenizer', in '{run_dir}') cannot be built to write "
                         f"training's chat template into the export ({short(err)}): restore its files there") from err

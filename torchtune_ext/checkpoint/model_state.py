@@ -4,8 +4,8 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from torchtune_ext.config.upstream import ADAPTER_KEYS, first_mismatch
 from torchtune_ext.errors import ConfigError
-from torchtune_ext.upstream import ADAPTER_KEYS, first_mismatch
 
 
 def check_model_fits(model: torch.nn.Module, state_dict: Dict[str, Any], source: Any, model_name: str) -> None:
@@ -13,7 +13,7 @@ def check_model_fits(model: torch.nn.Module, state_dict: Dict[str, Any], source:
 
     Raises:
         ConfigError: (key ``checkpointer.checkpoint_dir``) naming the model and
-            the first mismatching key (:func:`torchtune_ext.upstream.first_mismatch`).
+            the first mismatching key (:func:`torchtune_ext.config.upstream.first_mismatch`).
     """
     mismatch = first_mismatch(model.state_dict(), state_dict)
     if mismatch:
@@ -30,7 +30,7 @@ def load_model_state(model: torch.nn.Module, state_dict: Dict[str, Any], source:
         source: where the weights came from, for the message.
         strict: as in ``load_state_dict``.
         model_name: the configured model, e.g. from
-            :func:`torchtune_ext.upstream.describe_model`; when given, the
+            :func:`torchtune_ext.config.upstream.describe_model`; when given, the
             checkpoint is compared with the model first and a misfit names it
             and the first mismatching key (missing adapter weights excepted).
 
@@ -59,7 +59,7 @@ def check_adapter_fits(model_state: Dict[str, Any], adapter_state: Dict[str, Any
 
     A LoRA resume whose ``lora_rank``, ``lora_attn_modules``, ``apply_lora_to_mlp``,
     ``apply_lora_to_output`` or ``use_dora`` differ from the saved run's builds
-    other adapter tensors. :func:`torchtune_ext.resume.check_resume` finds that
+    other adapter tensors. :func:`torchtune_ext.run.resume.check_resume` finds that
     from the saved config before anything loads; this check covers checkpoints
     without one (earlier versions). Replaces the recipes' ``load_state_dict``
     size-mismatch list (one line per tensor) and torchtune's

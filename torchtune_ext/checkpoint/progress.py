@@ -57,7 +57,7 @@ class Progress:
         """Set and return :attr:`total_steps`: the steps done plus those ``loader`` will run.
 
         Args:
-            loader: a :class:`torchtune_ext.data.StepLoader` (``steps_per_epoch``,
+            loader: a :class:`torchtune_ext.data.step_loader.StepLoader` (``steps_per_epoch``,
                 ``remaining_steps``) with this run's batch size, accumulation
                 and world size.
             epochs: the run's ``epochs``.

@@ -36,7 +36,7 @@ class ResumeState:
             and ``optimizer`` is None.
 
     The LR scheduler is not saved: a resumed run builds it from its config
-    and advances it to ``progress.step`` (:mod:`torchtune_ext.resume`).
+    and advances it to ``progress.step`` (:mod:`torchtune_ext.run.resume`).
     """
 
     progress: Progress

@@ -17,7 +17,7 @@ which a run built its optimizer.
 What is here: the state a rank saves (:func:`local_state`), the saved
 tensors' names, shapes and dtypes read from ``.metadata`` without reading a
 tensor (:class:`ShardedStateDict`, which the loaders of
-:mod:`torchtune_ext.models` recognize), loading the shards into a (sharded
+:mod:`torchtune_ext.model.build` recognize), loading the shards into a (sharded
 or plain) model and optimizer, and reading whole tensors for an export.
 """
 
@@ -39,9 +39,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from torchtune_ext import ranks
+from torchtune_ext.config.upstream import ADAPTER_KEYS, first_mismatch
 from torchtune_ext.errors import ConfigError
 from torchtune_ext.text import short
-from torchtune_ext.upstream import ADAPTER_KEYS, first_mismatch
 
 DCP_DIR = "dcp"
 DCP_METADATA = ".metadata"
@@ -75,7 +75,7 @@ class ShardedStateDict(dict):
 
     What :meth:`torchtune_ext.checkpoint.CheckpointManager.load` returns for a
     sharded checkpoint in place of a state dict: the shape checks that compare a
-    checkpoint with a model (:func:`torchtune_ext.upstream.first_mismatch`,
+    checkpoint with a model (:func:`torchtune_ext.config.upstream.first_mismatch`,
     :func:`torchtune_ext.checkpoint.check_adapter_fits`) read it like one,
     nothing is read from disk, and the loaders load each rank's shards
     from ``folder`` (:func:`load_model_shards`).
@@ -182,7 +182,7 @@ def load_model_shards(model: torch.nn.Module, state: ShardedStateDict, device: t
         state: from :func:`sharded_state_dict`; its keys are what is loaded.
         strict: every key of the model must be in ``state``.
         model_name: the configured model, for the message of a misfit
-            (:func:`torchtune_ext.upstream.describe_model`).
+            (:func:`torchtune_ext.config.upstream.describe_model`).
 
     Returns:
         ``(missing_keys, unexpected_keys)``: the model's keys ``state`` lacks; ``state``'s keys the model lacks.
@@ -222,7 +222,7 @@ def load_optimizer_shards(model: torch.nn.Module, optimizer: torch.optim.Optimiz
     gradients and learning rate 0, which leaves the parameters as they are:
     ``torch.distributed.checkpoint.state_dict``), then overwritten by the
     saved one; its hyper-parameters are the saved ones until the caller
-    puts the config's back (:func:`torchtune_ext.resume.restore_training`).
+    puts the config's back (:func:`torchtune_ext.run.resume.restore_training`).
 
     Raises:
         KeyError, RuntimeError, ValueError: the saved state does not fit the

@@ -18,11 +18,10 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from omegaconf import DictConfig, OmegaConf
 from torchtune import config as tt_config
 from torchtune import training
@@ -42,45 +41,23 @@ from torchtune_ext.checkpoint.discovery import (
     verify_checkpoint,
 )
 from torchtune_ext.checkpoint.failures import WRITE_ADVICE, is_disk_full, is_write_failure
+from torchtune_ext.checkpoint.files import fsync_dir, make_readable, write_synced
 from torchtune_ext.checkpoint.lora_export import arrange_lora_folder
 from torchtune_ext.checkpoint.progress import Progress
 from torchtune_ext.checkpoint.rng import rng_state
 from torchtune_ext.checkpoint.sharded import (
-    DCP_DIR,
-    SHARDED_FORMAT,
-    failed_ranks,
-    file_owner,
     is_adapter_key,
     is_sharded,
-    local_bytes,
-    local_state,
     read_full_tensors,
     sharded_state_dict,
 )
-from torchtune_ext.checkpoint.sizing import planned_save_steps, tensor_bytes
-from torchtune_ext.errors import CheckpointSaveError, ConfigError, DiskSpaceError
+from torchtune_ext.checkpoint.sharded_save import ShardedSaves
+from torchtune_ext.checkpoint.sizing import tensor_bytes
+from torchtune_ext.checkpoint.tokenizer_files import write_chat_template
+from torchtune_ext.errors import CheckpointSaveError, ConfigError
 from torchtune_ext.text import format_bytes, short
-from torchtune_ext.tokenizer import training_chat_template, write_chat_template
 
 log = get_logger()  # torchtune's logger, which the recipes' lines go through too
-
-
-def _from_rank_zero(value: Any, group: Any = None) -> Any:
-    """Rank 0's ``value`` on every rank (itself without a process group)."""
-    if not ranks.several_processes(group):
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0, group=group)
-    return box[0]
-
-
-def _from_every_rank(value: Any, group: Any = None) -> List[Any]:
-    """Every rank's ``value``, in rank order, on every rank."""
-    if not ranks.several_processes(group):
-        return [value]
-    values = [None] * ranks.process_group_size(group)
-    dist.all_gather_object(values, value, group=group)
-    return values
 
 
 @contextlib.contextmanager
@@ -103,7 +80,7 @@ def _quiet_torchtune_checkpointer() -> Iterator[None]:
         tt_logger.removeFilter(keep)
 
 
-class CheckpointManager:
+class CheckpointManager(ShardedSaves):
     """Saves and finds atomic step checkpoints for one run.
 
     Args:
@@ -114,6 +91,9 @@ class CheckpointManager:
         keep_last_n (int, optional): keep this many newest checkpoints; None keeps all.
         run_config (DictConfig, optional): the run's config, saved (resolved)
             with every checkpoint so that a resume can tell what changed.
+        chat_template (str, optional): the chat template training's tokenizer
+            writes (:func:`torchtune_ext.data.tokenizer.training_chat_template`),
+            put into every checkpoint's tokenizer files; None: they stay as copied.
         dp_world_size (int): data-parallel ranks of this run.
         hash_files (bool): record each file's SHA-256 in the manifest (the
             ``verify_checkpoint_hashes`` key): a pass over the checkpoint's bytes
@@ -128,7 +108,8 @@ class CheckpointManager:
     """
 
     def __init__(self, cfg_checkpointer: DictConfig, output_dir: str, keep_last_n: Optional[int] = None, *,
-                 run_config: Optional[DictConfig] = None, dp_world_size: int = 1, hash_files: bool = True,
+                 run_config: Optional[DictConfig] = None, chat_template: Optional[str] = None,
+                 dp_world_size: int = 1, hash_files: bool = True,
                  sharded_load: bool = False, sharded_saves: bool = False, asynchronous: bool = False):
         self.output_dir = Path(output_dir)
         self.staging = self.output_dir / STAGING
@@ -141,8 +122,8 @@ class CheckpointManager:
         self._run_dir = os.getcwd()
         self._dp_world_size = dp_world_size
         self._hash_files = hash_files
-        self._chat_template: Optional[str] = None  # what training's tokenizer writes; "" if nothing to save
-        self._sharded_load, self._sharded_saves = sharded_load, sharded_saves
+        self._chat_template = chat_template  # what training's tokenizer writes; None: nothing to save
+        self._sharded_load, self.sharded_saves = sharded_load, sharded_saves
         self._pending: Optional[Future] = None  # the asynchronous save in flight
         self._executor: Optional[ThreadPoolExecutor] = None
         self._group: Any = None
@@ -155,12 +136,15 @@ class CheckpointManager:
                 self._group = dist.new_group(backend="gloo")
 
     @classmethod
-    def from_config(cls, cfg: DictConfig, dp_world_size: int = 1, distributed: bool = False) -> "CheckpointManager":
+    def from_config(cls, cfg: DictConfig, dp_world_size: int = 1, distributed: bool = False,
+                    chat_template: Optional[str] = None) -> "CheckpointManager":
         """The manager of a validated recipe config (``checkpointer``, ``output_dir``,
         ``keep_last_n_checkpoints``, ``verify_checkpoint_hashes``, ``sharded_checkpoints``,
-        ``enable_async_checkpointing``); ``distributed``: a distributed recipe's run."""
+        ``enable_async_checkpointing``); ``distributed``: a distributed recipe's run; ``chat_template``:
+        the one training's tokenizer writes, saved into every checkpoint's tokenizer files."""
         sharded = bool(cfg.get("sharded_checkpoints", False))
         return cls(cfg.checkpointer, cfg.output_dir, cfg.keep_last_n_checkpoints, run_config=cfg,
+                   chat_template=chat_template,
                    dp_world_size=dp_world_size, hash_files=cfg.get("verify_checkpoint_hashes", True),
                    sharded_load=distributed, sharded_saves=sharded,
                    asynchronous=sharded and bool(cfg.get("enable_async_checkpointing", False)))
@@ -249,7 +233,7 @@ class CheckpointManager:
             self._checkpointer = tt_config.instantiate(self._cfg, **overrides)
             # LoRA trains on the base weights; gathered saves need the checkpointer to have read its
             # base checkpoint once (torchtune keeps the weight map of its files then)
-            state = self._checkpointer.load_checkpoint() if adapter or not self._sharded_saves else {}
+            state = self._checkpointer.load_checkpoint() if adapter or not self.sharded_saves else {}
         except Exception as err:
             raise _unreadable(source, err, False) from err
         tensors = saved if self._sharded_load else read_full_tensors(resume_from, saved)
@@ -257,61 +241,6 @@ class CheckpointManager:
             return {training.MODEL_KEY: state[training.MODEL_KEY], training.ADAPTER_KEY: tensors}
         return {training.MODEL_KEY: tensors}
 
-    def announce(self, checkpoint_bytes: int, progress: Progress, loader: Any, cfg: DictConfig, *,
-                 save_memory: Tuple[int, Optional[int]] = (0, None)) -> None:
-        """Log the disk use to expect at start-up; refuse to start without room for one checkpoint.
-
-        Call it on every rank (one collective), after :meth:`load`. Removes the
-        empty staging folder that building the checkpointer made.
-
-        Args:
-            checkpoint_bytes: one checkpoint's tensors (:func:`expected_checkpoint_bytes`); the
-                copied config and tokenizer files are added here.
-            progress: where the run starts (``total_steps`` already planned).
-            loader: the run's :class:`torchtune_ext.data.StepLoader`.
-            cfg: the recipe config (``epochs``, ``save_every_n_steps``, ``save_final_checkpoint``).
-            save_memory: this rank's ``(bytes, available)``: the CPU memory a
-                save needs on top of training (:func:`save_memory_bytes`) and
-                the memory available (None: unknown).
-
-        Raises:
-            DiskSpaceError: if ``output_dir`` has less free space than one checkpoint.
-            ConfigError: (key ``sharded_checkpoints``) rank 0 has not the CPU
-                memory to gather a checkpoint; (``enable_async_checkpointing``)
-                a rank has not the memory to copy its shards; on every rank.
-        """
-        checkpoint_bytes += self._copied_bytes()
-        saves = len(planned_save_steps(progress, loader, cfg))
-        existing = len(list_checkpoints(str(self.output_dir)))
-        on_disk = existing + saves
-        if self.keep_last_n is not None:  # a new checkpoint is complete before the oldest goes
-            on_disk = min(on_disk, self.keep_last_n + 1)
-        to_come = max(on_disk - existing, 0)  # the free space already excludes the existing ones
-        # Rank 0's figure on every rank, so that all ranks refuse together. By then every rank
-        # has built its checkpointer (load), which makes the staging folder; see below.
-        free = _from_rank_zero(shutil.disk_usage(_existing_parent(self.output_dir)).free)
-        if free < checkpoint_bytes:
-            raise DiskSpaceError("output_dir", f"not enough free disk space for one checkpoint in "
-                                 f"'{self.output_dir}': it needs about {format_bytes(checkpoint_bytes)}, "
-                                 f"{format_bytes(free)} are free. Free some space or choose another output_dir")
-        self._check_save_memory(save_memory, saves)
-        kept = (f"the newest {self.keep_last_n} kept" if self.keep_last_n is not None else "none deleted")
-        line = (f"Checkpoints: about {format_bytes(checkpoint_bytes)} each, {saves} to write, {kept} "
-                f"(keep_last_n_checkpoints={self.keep_last_n if self.keep_last_n is not None else 'null'}): "
-                f"up to {format_bytes(on_disk * checkpoint_bytes)} in '{self.output_dir}', "
-                f"{format_bytes(free)} free")
-        if not ranks.is_rank_zero():
-            return
-        try:  # each save makes it again: a run that saves nothing leaves no empty staging folder
-            self.staging.rmdir()
-        except OSError:
-            pass  # not empty: an interrupted save's, which the next save clears
-        if free < to_come * checkpoint_bytes:
-            # a new checkpoint is complete before the oldest goes: with 1 kept, 2 are on disk at times
-            lower = "lower keep_last_n_checkpoints or " if self.keep_last_n is None or self.keep_last_n > 1 else ""
-            log.warning(f"{line}: not enough for all of them; {lower}free some space")
-        else:
-            log.info(line)
 
     def save(self, state_dict: Dict[str, Any], progress: Progress, optimizer_state: Dict[str, Any], *,
              rng_by_rank: Optional[List[Dict[str, Any]]] = None, adapter_only: bool = False,
@@ -356,93 +285,19 @@ class CheckpointManager:
             except BaseException as err:
                 # exceptions do not all pickle: send what the other ranks raise
                 if isinstance(err, ConfigError):
-                    _from_rank_zero((type(err), err.key, str(err).split(": ", 1)[1]))
+                    ranks.from_rank_zero((type(err), err.key, str(err).split(": ", 1)[1]))
                 elif isinstance(err, CheckpointSaveError):
-                    _from_rank_zero((CheckpointSaveError, None, str(err)))
+                    ranks.from_rank_zero((CheckpointSaveError, None, str(err)))
                 else:
-                    _from_rank_zero((RuntimeError, None,
+                    ranks.from_rank_zero((RuntimeError, None,
                                      f"saving {final} failed on rank 0: {type(err).__name__}: {err}"))
                 raise
-        outcome = _from_rank_zero(outcome)
+        outcome = ranks.from_rank_zero(outcome)
         if outcome is not None:
             error_type, key, message = outcome
             raise error_type(key, message) if key is not None else error_type(message)
         return final
 
-    # ------------------------------------------------------------ sharded saves
-    def save_sharded(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, progress: Progress, *,
-                     rng_by_rank: Optional[List[Dict[str, Any]]] = None, keys: Optional[Iterable[str]] = None,
-                     export: Optional[Callable[[Path, int, int], List[str]]] = None, export_bytes: int = 0,
-                     asynchronous: bool = False, suspect_from: Optional[int] = None) -> Path:
-        """Write ``step_<progress.step>`` as a sharded checkpoint: every rank writes its own shards (DCP).
-
-        Call it on every rank. Nothing is gathered: each rank writes the
-        shards of the model and optimizer state it holds into
-        ``dcp/`` (:mod:`torchtune_ext.checkpoint.sharded`), rank 0 the
-        progress and RNG states (``recipe_state.pt``); each rank hashes the
-        files it wrote; rank 0 writes the manifest once every rank's files
-        are complete, and only then renames the staging folder into place,
-        as :meth:`save` does (a kill at any point leaves earlier checkpoints
-        intact). Free space is checked first against the sum of every rank's
-        shards (and ``export_bytes``).
-
-        Args:
-            model, optimizer: this rank's (FSDP2-sharded) model and its optimizer.
-            progress: step counters and data position (copied now).
-            rng_by_rank: every rank's :func:`rng_state`, in rank order (rank 0 needs them); None: this process's.
-            keys: the model keys to save (LoRA with ``save_adapter_weights_only``: the adapter); None: all.
-            export: writes this rank's share of a Hugging Face folder into the
-                staging folder, ``export(folder, rank, world_size)`` -> the names
-                it wrote (:func:`torchtune_ext.checkpoint.hf_export.export_hf`);
-                the final checkpoint's. Not with ``asynchronous``.
-            export_bytes: what ``export`` writes in all, for the free-space check.
-            asynchronous: return once this rank's shards are copied (in CPU
-                memory); the write, the hashes, the manifest and the rename go on
-                in a thread while training continues. The next save, or
-                :meth:`wait`, waits for it first (at most one in flight).
-            suspect_from: as in :meth:`save`.
-
-        Returns:
-            Path of the checkpoint folder (complete, or being written with ``asynchronous``).
-
-        Raises:
-            CheckpointSaveError: on every rank when a write failed on any rank
-                (a full disk included; the message names the rank), or there
-                is not enough free space; the staging folder is removed.
-                With ``asynchronous``, a failure of the write is raised by the
-                next :meth:`save_sharded` or :meth:`wait`.
-            RuntimeError: on every rank, anything else a rank raised while saving (a bug).
-        """
-        self.wait()  # at most one save in flight; a failure of the previous one is raised here
-        final = self.output_dir / f"step_{progress.step}"
-        if _from_rank_zero((final / MANIFEST).is_file()):
-            return final  # this step is saved already
-        start = time.perf_counter()
-        state = local_state(model, optimizer, keys)
-        needed = sum(_from_every_rank(local_bytes(state))) + export_bytes + self._copied_bytes() + 2**20
-        written = self.staging / f"epoch_{progress.step}"
-        recipe_state = self._recipe_state(progress, None, rng_by_rank)
-        recipe_state["format"] = SHARDED_FORMAT  # the optimizer state is in the shards
-        failure = None
-        if ranks.is_rank_zero():
-            failure = self._capture(final, lambda: self._prepare_staging(final, written, needed, recipe_state),
-                                    written=False)
-        self._raise_agreed(final, _from_every_rank(failure), needed)
-        if asynchronous and self._executor is not None:
-            try:  # copies this rank's shards to CPU memory now; writes them in DCP's thread
-                upload = dcp.async_save(state, checkpoint_id=str(written / DCP_DIR), process_group=self._group)
-            except BaseException as err:  # a failure to start: DCP reports it on every rank
-                upload = _failed_future(err)
-            self._pending = self._executor.submit(self._finish_sharded, final, written, upload, None, needed,
-                                                  suspect_from, start, asynchronous=True)
-            return final
-        try:
-            dcp.save(state, checkpoint_id=str(written / DCP_DIR))
-            upload = None
-        except BaseException as err:  # DCP's CheckpointException (a BaseException) carries every rank's failure
-            upload = _failed_future(err)
-        self._finish_sharded(final, written, upload, export, needed, suspect_from, start)
-        return final
 
     def wait(self) -> None:
         """Wait for the asynchronous save in flight, if any.
@@ -476,125 +331,6 @@ class CheckpointManager:
             "run_dir": self._run_dir,
         }
 
-    def _prepare_staging(self, final: Path, written: Path, needed: int, recipe_state: Dict[str, Any]) -> None:
-        """Rank 0, before any shard is written: a clean staging folder, room for ``needed`` bytes, recipe_state.pt."""
-        self._clear_way(final)
-        free = shutil.disk_usage(self.output_dir).free
-        if free < needed:
-            raise self._disk_space_error(final, needed, free)
-        written.mkdir(parents=True)
-        torch.save(recipe_state, written / RECIPE_STATE)
-
-    def _capture(self, final: Path, work: Callable[[], Any], written: bool = True) -> Optional[Tuple[str, ...]]:
-        """Run ``work``; None if it succeeded, else what failed, in a form every rank can be sent."""
-        try:
-            work()
-            return None
-        except BaseException as err:
-            return self._describe_failure(final, err, written)
-
-    def _describe_failure(self, final: Path, err: BaseException, written: bool = True) -> Tuple[str, ...]:
-        """``(kind, detail, rank)`` of a failed save step: ``done`` (a finished error: its class and message),
-        ``full``, ``write`` or ``bug``. DCP's error names the rank that failed."""
-        if isinstance(err, CheckpointSaveError):
-            return ("done", str(err), str(ranks.rank()))
-        rank, cause = min(failed_ranks(err).items())
-        if is_disk_full(cause):
-            return ("full", short(cause), str(rank), str(written))
-        if isinstance(cause, Exception) and is_write_failure(cause):
-            return ("write", short(cause), str(rank), str(written))
-        return ("bug", f"{type(cause).__name__}: {cause}", str(rank), str(written))
-
-    def _raise_agreed(self, final: Path, failures: List[Optional[Tuple[str, ...]]], needed: int,
-                      group: Any = None) -> None:
-        """Every rank raises the same error if any rank's step failed (rank 0 removes the staging folder first)."""
-        failure = next((f for f in failures if f is not None), None)
-        if failure is None:
-            return
-        error: Optional[Tuple[str, str]] = None
-        if ranks.is_rank_zero():
-            shutil.rmtree(self.staging, ignore_errors=True)
-            error = self._failure_error(final, failure, needed)
-        error = _from_rank_zero(error, group)
-        if error[0] == "bug":
-            raise RuntimeError(error[1])
-        raise CheckpointSaveError(error[1])
-
-    def _failure_error(self, final: Path, failure: Tuple[str, ...], needed: int) -> Tuple[str, str]:
-        """(``bug`` or ``save``, the message) of a failed sharded save, once the staging folder is gone."""
-        kind, detail, rank = failure[:3]
-        if kind == "done":
-            return "save", detail
-        written = failure[3] == "True"
-        where = f" on rank {rank}" if ranks.several_processes() else ""
-        if kind == "bug":
-            return "bug", f"saving {final.name} failed{where}: {detail}"
-        if kind == "full":
-            free = shutil.disk_usage(_existing_parent(self.output_dir)).free
-            return "save", (f"the disk filled up while saving {final.name} in output_dir '{self.output_dir}'{where} "
-                            f"({detail}): it needs about {format_bytes(needed)}, {format_bytes(free)} are free now; "
-                            f"{self._after_failure(self._free_space_advice(), written=written)}")
-        return "save", (f"saving {final.name} in output_dir '{self.output_dir}' failed{where} ({detail}): "
-                        f"{self._after_failure(written=written)}")
-
-    def _finish_sharded(self, final: Path, written: Path, upload: Optional[Future],
-                        export: Optional[Callable[[Path, int, int], List[str]]], needed: int,
-                        suspect_from: Optional[int], start: float, asynchronous: bool = False) -> None:
-        """After the shards are written (``upload`` done): the export, each rank's hashes, then rank 0's
-        manifest, rename and pruning; every rank raises the same error if any rank failed.
-        ``asynchronous``: in the save's thread, while training goes on (its log line says so)."""
-        group, rank = self._group, ranks.rank()
-        failure = None
-        if upload is not None:
-            failure = self._capture(final, upload.result)
-        self._raise_agreed(final, _from_every_rank(failure, group), needed, group)
-        files: Dict[str, Tuple[int, Optional[str]]] = {}
-
-        def hash_own_files() -> None:
-            mine = export(written, rank, ranks.process_group_size()) if export is not None else []
-            if export is not None and rank == 0:
-                self._save_chat_template(written)  # over the tokenizer files the export copied
-            mine += [f"{DCP_DIR}/{p.name}" for p in (written / DCP_DIR).iterdir()
-                     if p.name.endswith(".distcp") and file_owner(p.name) == rank]
-            files.update(self._hashes(written, mine))
-
-        failure = self._capture(final, hash_own_files)
-        everyone = _from_every_rank((failure, files), group)
-        self._raise_agreed(final, [f for f, _ in everyone], needed, group)
-        failure = None
-        if rank == 0:
-            hashed = {name: entry for _, theirs in everyone for name, entry in theirs.items()}
-            failure = self._capture(final, lambda: self._complete(final, written, hashed, start, suspect_from,
-                                                                  asynchronous=asynchronous))
-        self._raise_agreed(final, [_from_rank_zero(failure, group)], needed, group)
-
-    def _hashes(self, folder: Path, names: Iterable[str]) -> Dict[str, Tuple[int, Optional[str]]]:
-        """name -> (size, SHA-256 or None without ``verify_checkpoint_hashes``) of files under ``folder``."""
-        return {name: ((folder / name).stat().st_size, file_sha256(folder / name) if self._hash_files else None)
-                for name in names}
-
-    def _complete(self, final: Path, written: Path, hashed: Dict[str, Tuple[int, Optional[str]]], start: float,
-                  suspect_from: Optional[int], asynchronous: bool = False) -> None:
-        """Rank 0: hash what no rank hashed (its small files, ``.metadata``), write the manifest, rename into place.
-
-        ``asynchronous``: the log line says the checkpoint was written in the background (training went on
-        meanwhile, so its time is not a pause of training, and the line comes some steps after the save's step).
-        """
-        make_readable(written)
-        names = [p.relative_to(written).as_posix() for p in sorted(written.rglob("*")) if p.is_file()]
-        hashed.update(self._hashes(written, [n for n in names if n not in hashed and n != MANIFEST]))
-        files = {name: hashed[name][0] for name in names if name in hashed}
-        manifest: Dict[str, Any] = {"step": int(final.name.split("_")[1]), "files": files, "format": SHARDED_FORMAT}
-        if self._hash_files:
-            manifest[HASHES] = {name: hashed[name][1] for name in files}
-        _write_synced(written / MANIFEST, json.dumps(manifest, indent=1))
-        os.replace(written, final)
-        shutil.rmtree(self.staging, ignore_errors=True)
-        _fsync_dir(self.output_dir)
-        background = ", written in the background while training went on" if asynchronous else ""
-        log.info(f"Checkpoint saved: {final} ({format_bytes(sum(files.values()))} in "
-                 f"{time.perf_counter() - start:.1f} s, sharded over {ranks.process_group_size()} ranks{background})")
-        self._prune(keep=final, suspect_from=suspect_from)
 
     def _clear_way(self, final: Path) -> None:
         """Before a save writes anything: a folder in the way of ``final`` (no manifest) moved aside, the
@@ -656,7 +392,7 @@ class CheckpointManager:
             if self._hash_files:
                 manifest[HASHES] = {name: file_sha256(written / name) for name in files}
             hash_seconds = time.perf_counter() - hashed
-            _write_synced(written / MANIFEST, json.dumps(manifest, indent=1))
+            write_synced(written / MANIFEST, json.dumps(manifest, indent=1))
         except BaseException as err:
             try:  # the folder may be gone or unreadable too: that must not hide the error
                 staged = [p for p in self.staging.rglob("*") if p.is_file()]
@@ -681,7 +417,7 @@ class CheckpointManager:
                                       f"it into place ({short(err)}): {self._after_failure()}") from err
         shutil.rmtree(self.staging, ignore_errors=True)
         try:
-            _fsync_dir(self.output_dir)
+            fsync_dir(self.output_dir)
         except OSError as err:
             raise CheckpointSaveError(f"saving {final.name} in output_dir '{self.output_dir}' failed: the folder "
                                       f"could not be synced to disk ({short(err)}); {final} is complete but may "
@@ -695,36 +431,14 @@ class CheckpointManager:
     def _save_chat_template(self, folder: Path) -> None:
         """torchtune copies the base folder's tokenizer files, whose chat template may not be the format
         training wrote (SmolLM2's adds a default system prompt): save the training tokenizer's instead."""
-        if self._run_config is None:
-            return
-        if self._chat_template is None:  # built once, at the first save
-            self._chat_template = training_chat_template(self._run_config) or ""
         if self._chat_template:
             write_chat_template(folder, self._chat_template)
 
     def _staging_is_a_file(self) -> str:
         return f"'{self.staging}' is a file, but saves stage each checkpoint in a folder of that name"
 
-    def _check_save_memory(self, save_memory: Tuple[int, Optional[int]], saves: int) -> None:
-        """Refuse on every rank when some rank has not the CPU memory one save needs (see :meth:`announce`)."""
-        every = _from_every_rank(tuple(save_memory))
-        short = [(rank, need, free) for rank, (need, free) in enumerate(every) if free is not None and need > free]
-        if saves and short:
-            rank, need, free = short[0]
-            if self._sharded_saves:
-                raise ConfigError("enable_async_checkpointing", f"rank {rank} copies its shards to CPU memory to "
-                                  f"save in the background: about {format_bytes(need)}, {format_bytes(free)} "
-                                  "available. Set enable_async_checkpointing=false (the shards are written from "
-                                  "where they are)")
-            raise ConfigError("sharded_checkpoints", f"a gathered checkpoint puts the whole model and optimizer "
-                              f"state in rank 0's CPU memory: about {format_bytes(need)}, {format_bytes(free)} "
-                              "available. Set sharded_checkpoints=true (each rank writes its own shards)")
-        if ranks.is_rank_zero() and save_memory[0]:
-            where = "each rank's shards copied" if self._sharded_saves else "gathered on rank 0"
-            log.info(f"Each save holds about {format_bytes(save_memory[0])} of CPU memory ({where}); "
-                     f"{format_bytes(save_memory[1]) if save_memory[1] is not None else 'unknown'} available")
 
-    def _copied_bytes(self) -> int:
+    def copied_bytes(self) -> int:
         """The small files torchtune copies from the folder it loaded from (config, tokenizer)."""
         source = getattr(self._checkpointer, "_checkpoint_dir", None)
         if source is None or not Path(source).is_dir():
@@ -735,7 +449,7 @@ class CheckpointManager:
     def _needed_bytes(self, state_dict: Dict[str, Any], optimizer_state: Dict[str, Any]) -> int:
         # torchtune writes the adapter twice (.pt and PEFT .safetensors)
         return (tensor_bytes(state_dict) + tensor_bytes(state_dict.get(training.ADAPTER_KEY))
-                + tensor_bytes(optimizer_state) + self._copied_bytes() + 2**20)
+                + tensor_bytes(optimizer_state) + self.copied_bytes() + 2**20)
 
     def _disk_space_error(self, final: Path, needed: int, free: int,
                           cause: Optional[BaseException] = None) -> CheckpointSaveError:
@@ -819,48 +533,3 @@ def _unreadable(folder: Path, err: BaseException, resuming: bool) -> ConfigError
         return ConfigError("resume_from_checkpoint", f"checkpoint '{folder}' cannot be loaded: {detail}."
                            + intact_before(folder))
     return ConfigError("checkpointer.checkpoint_dir", f"cannot load the checkpoint in '{folder}': {detail}")
-
-
-def _failed_future(err: BaseException) -> Future:
-    """A future that raises ``err``: a failure to start a save is reported where its outcome is awaited."""
-    future: Future = Future()
-    future.set_exception(err)
-    return future
-
-
-def _existing_parent(path: Path) -> Path:
-    while not path.exists() and path.parent != path:
-        path = path.parent
-    return path
-
-
-def make_readable(folder: Path) -> None:
-    """Give every file under ``folder`` the permissions of a newly created file (0666 less the umask), and
-    ``folder`` and the folders under it those of a newly created folder (0777 less the umask).
-
-    Some writers (safetensors, temporary files and folders) create them
-    readable only by their owner; a checkpoint is for others to load too.
-    """
-    umask = os.umask(0)
-    os.umask(umask)
-    folder.chmod(0o777 & ~umask)
-    for path in folder.rglob("*"):
-        if path.is_file():
-            path.chmod(0o666 & ~umask)
-        elif path.is_dir() and not path.is_symlink():
-            path.chmod(0o777 & ~umask)
-
-
-def _write_synced(path: Path, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

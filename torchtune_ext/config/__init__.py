@@ -4,7 +4,7 @@ A recipe calls :func:`validate` on the parsed OmegaConf config before it
 builds anything. ``validate`` fills in defaults, checks types and ranges,
 checks the keys together and that input files exist, and raises
 :class:`~torchtune_ext.errors.ConfigError` naming the offending key and what
-is expected. :func:`torchtune_ext.control.exits.exit_on_user_error` turns
+is expected. :func:`torchtune_ext.run.control.exits.exit_on_user_error` turns
 such expected mistakes into one clear line on stderr and exit status 2,
 without a traceback and before anything is written.
 

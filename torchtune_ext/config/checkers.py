@@ -87,7 +87,7 @@ def one_of(*choices: str) -> Callable[[str, Any], None]:
 
 
 def check_output_chunks(key: str, value: Any) -> None:
-    """``loss.num_output_chunks``: ``auto`` or a positive integer (:mod:`torchtune_ext.loss`)."""
+    """``loss.num_output_chunks``: ``auto`` or a positive integer (:mod:`torchtune_ext.train.loss`)."""
     if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise ConfigError(key, f"expected auto or a positive integer, got {value!r}")
 

@@ -19,8 +19,9 @@ from torchtune_ext.config.checkers import (
     validation_enabled,
 )
 from torchtune_ext.config.schema import COMMON_KEYS
+from torchtune_ext.config.upstream import check_model_type
 from torchtune_ext.errors import ConfigError
-from torchtune_ext.upstream import check_model_type
+from torchtune_ext.moved import canonical
 
 log = logging.getLogger(__name__)
 
@@ -56,42 +57,35 @@ def check_validation(cfg: DictConfig, training: bool) -> None:
 
 
 def resolve_backward(cfg: DictConfig, backward_given: bool) -> None:
-    """Map the older ``backward_once_per_step`` onto ``backward`` (one line from rank 0 when it decides).
+    """``backward_once_per_step``, the older name of ``backward``, is gone: one line says what to write instead.
 
-    true reads as ``auto`` (it always meant "once per step where it fits"), or
-    agrees with an explicit ``once_per_step``; false reads as
-    ``per_micro_batch``, also over a ``backward: auto`` (as in the shipped
-    configs, with the older key on the command line). A given ``backward``
-    that contradicts it is an error; one it agrees with is not mentioned.
-    Afterwards ``backward_once_per_step`` holds ``backward != per_micro_batch``,
-    for callers of ``train_step`` that still pass it (``backward`` wins there),
-    so a saved config, validated again, says nothing.
+    A config that gives it next to a ``backward`` it agrees with (true: ``auto``
+    or ``once_per_step``; false: ``per_micro_batch``), as the configs saved by
+    earlier versions in ``logs/`` do, runs with one warning; alone or
+    contradicting ``backward`` it is an error, so no run silently changes
+    its backward mode.
+
+    Raises:
+        ConfigError: (key ``backward_once_per_step``) given without an agreeing ``backward``.
     """
-    old = cfg.backward_once_per_step
-    if old is not None:
-        mapped = "auto" if old else "per_micro_batch"
-        compatible = ("auto", "once_per_step") if old else ("auto", "per_micro_batch")
-        text = str(old).lower()
-        if backward_given and cfg.backward not in compatible:
-            raise ConfigError("backward_once_per_step", f"{text} contradicts backward={cfg.backward}; remove "
-                              "backward_once_per_step, the older name of backward")
-        if not backward_given or (cfg.backward == "auto" and mapped != "auto"):
-            cfg.backward = mapped
-            said = f"runs as backward={mapped}" + (
-                " (backward once per optimizer step where it fits under once_per_step_memory_limit, else per "
-                "micro-batch; backward=once_per_step always runs it once per step)" if old else "")
-            if ranks.is_rank_zero():
-                _run_logger(cfg).warning(f"Config key 'backward_once_per_step' is the older name of 'backward': "
-                                         f"backward_once_per_step={text} {said}.")
+    if "backward_once_per_step" in cfg:
+        old = cfg.backward_once_per_step
+        agrees = ("auto", "once_per_step") if old else ("per_micro_batch",)
+        meant = "auto" if old else "per_micro_batch"
+        if old is not None and not (backward_given and cfg.backward in agrees):
+            raise ConfigError("backward_once_per_step", f"was removed (it was the older name of backward): use "
+                              f"backward={meant} for backward_once_per_step={str(old).lower()}")
+        with open_dict(cfg):
+            del cfg["backward_once_per_step"]
+        if old is not None and ranks.is_rank_zero():
+            _run_logger(cfg).warning(f"Config key 'backward_once_per_step' was removed (the older name of "
+                                     f"'backward'); backward={cfg.backward} applies: delete the older key")
     if (cfg.optimizer_in_bwd and cfg.backward == "per_micro_batch" and cfg.max_tokens_per_micro_batch
             and ranks.is_rank_zero()):
         # several micro-batches per step only come from the token budget (optimizer_in_bwd needs GA 1)
         _run_logger(cfg).warning("backward=per_micro_batch does not apply with optimizer_in_bwd=true: each "
                                  "parameter is updated in its gradient hook, so a step's micro-batches run one "
                                  "backward together (backward=once_per_step).")
-    with open_dict(cfg):
-        # for callers of train_step that still pass the older argument; train_step prefers `backward`
-        cfg.backward_once_per_step = cfg.backward != "per_micro_batch"
 
 
 def _run_logger(cfg: DictConfig) -> logging.Logger:
@@ -114,8 +108,9 @@ SHARDED_EXPORT_MODEL_TYPES = ("LLAMA2", "LLAMA3", "LLAMA3_2", "MISTRAL", "GEMMA"
 
 
 # The transformers models' checkpointer (configs/hf/*.yaml): its layout of a sharded export is its own
-# (torchtune_ext.hf.checkpointer.sharded_export_layout).
-HF_CHECKPOINTERS = ("torchtune_ext.hf.HFCheckpointer", "torchtune_ext.hf.checkpointer.HFCheckpointer")
+# (torchtune_ext.model.hf.checkpointer.sharded_export_layout).
+# (spelled as now: a config's path goes through torchtune_ext.moved.canonical first)
+HF_CHECKPOINTERS = ("torchtune_ext.model.hf.HFCheckpointer", "torchtune_ext.model.hf.checkpointer.HFCheckpointer")
 
 
 def check_sharded_checkpoints(cfg: DictConfig) -> None:
@@ -130,11 +125,11 @@ def check_sharded_checkpoints(cfg: DictConfig) -> None:
     if not cfg.get("sharded_checkpoints"):
         return
     component = str(cfg.checkpointer.get("_component_", ""))
-    if component in HF_CHECKPOINTERS:
+    if canonical(str(component)) in HF_CHECKPOINTERS:
         return  # the model's keys are HF names: any family transformers saves exports file by file
     if not component.endswith(".FullModelHFCheckpointer"):
         raise ConfigError("sharded_checkpoints", f"needs torchtune's FullModelHFCheckpointer or "
-                          f"torchtune_ext.hf.HFCheckpointer (the final checkpoint becomes a Hugging Face folder "
+                          f"torchtune_ext.model.hf.HFCheckpointer (the final checkpoint becomes a Hugging Face folder "
                           f"from the shards), not {component}; set sharded_checkpoints=false (and "
                           "enable_async_checkpointing=false) for this checkpointer")
     model_type = str(cfg.checkpointer.get("model_type", "")).upper()

@@ -32,7 +32,7 @@ command line is an error, with a did-you-mean.
 Components (`_component_` entries: `model`, `tokenizer`, `dataset`,
 `checkpointer`, `optimizer`, `lr_scheduler`, `loss`, `metric_logger`) take
 their builder's own arguments; those are checked against the builder's
-signature before any weight loads (`torchtune_ext.preflight`).
+signature before any weight loads (`torchtune_ext.run.preflight`).
 
 This page is generated from the schema (`torchtune_ext/config/schema.py`):
 `python -m torchtune_ext.config.docs > docs/configuration.md`. A test fails

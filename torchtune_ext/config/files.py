@@ -13,8 +13,8 @@ from typing import Any, Optional, Tuple
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from torchtune_ext.config.checkers import validation_enabled
+from torchtune_ext.config.upstream import download_command
 from torchtune_ext.errors import DOWNLOAD_COMMAND, ConfigError
-from torchtune_ext.upstream import download_command
 
 
 def _paths(value: Any) -> Tuple[str, ...]:

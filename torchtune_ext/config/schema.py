@@ -17,7 +17,6 @@ from torchtune_ext.config.checkers import (
     boolean_or_auto,
     component_node,
     one_of,
-    optional_boolean,
     optional_component_node,
     optional_int,
     optional_positive_float,
@@ -54,7 +53,7 @@ class Key:
 NO_DEFAULT = object()
 
 
-# Values of the `backward` key (torchtune_ext.step.forward_backward).
+# Values of the `backward` key (torchtune_ext.train.step.forward_backward).
 BACKWARD_MODES = ("auto", "once_per_step", "per_micro_batch")
 
 
@@ -148,7 +147,7 @@ COMMON_KEYS: Dict[str, Key] = {
         "lock; one run at a time.")),
     "model_dir": Key(None, optional_string, doc=(
         "A Hugging Face model folder (configs/hf/*.yaml interpolate it into model.path, tokenizer.path and "
-        "checkpointer.checkpoint_dir, so it is the one key to set; torchtune_ext.hf).")),
+        "checkpointer.checkpoint_dir, so it is the one key to set; torchtune_ext.model.hf).")),
     "model": Key(NO_DEFAULT, text_model, required=True, doc=(
         "The model builder (`_component_`) and its arguments; a text decoder (multimodal families are refused).")),
     "tokenizer": Key(NO_DEFAULT, component_node, required=True, doc=(
@@ -157,17 +156,17 @@ COMMON_KEYS: Dict[str, Key] = {
         "The training dataset (a torchtune dataset component), or a list of them, concatenated.")),
     "data_errors": Key("warn", one_of("warn", "error"), doc=(
         "Samples with no trainable token (an answer cut away at tokenizer.max_seq_len) or with undecodable bytes: "
-        "`warn` reports them, `error` stops before training (torchtune_ext.data_check).")),
+        "`warn` reports them, `error` stops before training (torchtune_ext.data.check).")),
     "checkpointer": Key(NO_DEFAULT, component_node, required=True, doc=(
         "The torchtune checkpointer that reads the base model and writes each checkpoint's weights in its format.")),
     "optimizer": Key(NO_DEFAULT, component_node, required=True, doc=(
         "The optimizer (e.g. torch.optim.AdamW) and its settings; on resume the config's settings apply.")),
     "lr_scheduler": Key(None, optional_component_node, doc=(
         "The learning-rate schedule, built for the run's optimizer steps; null: a constant learning rate.")),
-    "loss": Key({"_component_": "torchtune_ext.loss.SummedCrossEntropyLoss", "num_output_chunks": "auto"},
+    "loss": Key({"_component_": "torchtune_ext.train.loss.SummedCrossEntropyLoss", "num_output_chunks": "auto"},
                 component_node, doc=(
         "The loss: summed over trainable tokens and divided once per step; torchtune's cross-entropy losses run "
-        "as torchtune_ext.loss.SummedCrossEntropyLoss.")),
+        "as torchtune_ext.train.loss.SummedCrossEntropyLoss.")),
     "metric_logger": Key(None, optional_component_node, doc=(
         "A torchtune metric logger (e.g. W&B) besides logs/metrics.jsonl; null: the JSONL file only.")),
     "seed": Key(None, optional_int, doc=(
@@ -186,12 +185,10 @@ COMMON_KEYS: Dict[str, Key] = {
         "How a step's micro-batches are backpropagated, with the same gradients: `once_per_step` (one backward "
         "on the step's sum), `per_micro_batch` (one per micro-batch, memory flat in gradient_accumulation_steps), "
         "`auto` (once per step where it fits under once_per_step_memory_limit).")),
-    "backward_once_per_step": Key(None, optional_boolean, doc=(
-        "The older name of backward: true reads as backward=auto, false as backward=per_micro_batch (said once).")),
     "once_per_step_memory_limit": Key("torchtune", one_of("torchtune", "device"), doc=(
         "What bounds a once-per-step step under backward=auto: `torchtune` (no more than torchtune's recipe needs "
         "for the same samples, and the free memory) or `device` (the free memory only); "
-        "torchtune_ext.memory.MemoryGuard.")),
+        "torchtune_ext.train.memory.MemoryGuard.")),
     "group_by_length": Key(True, boolean, doc=(
         "Put samples of similar length into the same micro-batch (less padding); the samples of each optimizer "
         "step, and so the loss, do not depend on it.")),
@@ -238,14 +235,14 @@ COMMON_KEYS: Dict[str, Key] = {
         "(5 in a row still stop the run).")),
     "loss_spike_nats": Key(3.0, optional_positive_float, doc=(
         "A step whose loss is this many nats per token above the highest of the last 32 healthy steps is a "
-        "spike; two in a row stop the run (torchtune_ext.health); null: off.")),
+        "spike; two in a row stop the run (torchtune_ext.train.health); null: off.")),
     "optimizer_in_bwd": Key(False, boolean, doc=(
         "One optimizer per parameter, stepped in its gradient hook (less memory; needs "
-        "gradient_accumulation_steps=1 and no clipping; torchtune_ext.optim_in_bwd).")),
+        "gradient_accumulation_steps=1 and no clipping; torchtune_ext.train.optim_in_bwd).")),
     "log_every_n_steps": Key(1, positive_int, doc="Log every N-th optimizer step's metrics."),
     "peak_tflops_per_device": Key(None, optional_positive_float, doc=(
         "Dense peak TFLOP/s of one device, for the mfu metric; null: a table of common GPUs, or a matmul timed "
-        "at start-up on CPU (torchtune_ext.flops).")),
+        "at start-up on CPU (torchtune_ext.run.metrics.flops).")),
     "log_peak_memory_stats": Key(True, boolean, doc=(
         "Log peak_memory_gib with each step (false leaves it out, upstream's default).")),
     "profiler": Key(None, _profiler, doc=(
@@ -309,3 +306,7 @@ LORA_KEYS: Dict[str, Key] = {
         "QLoRA: torchtune's state-dict hook that dequantizes NF4 weights through a memory-mapped file instead of "
         "RAM (Linux; the single-device recipe).")),
 }
+
+
+# Keys of earlier versions that are gone; validation says what replaces each (config.combinations).
+REMOVED_KEYS = ("backward_once_per_step",)

@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from torchtune_ext import ranks
 from torchtune_ext.config.combinations import check_combinations, check_validation, resolve_backward
 from torchtune_ext.config.files import check_input_files, check_output_dir
-from torchtune_ext.config.schema import COMMON_KEYS, DISTRIBUTED_KEYS, LORA_KEYS, Key
+from torchtune_ext.config.schema import COMMON_KEYS, DISTRIBUTED_KEYS, LORA_KEYS, REMOVED_KEYS, Key
 from torchtune_ext.errors import ConfigError
 from torchtune_ext.text import closest
 
@@ -32,7 +32,7 @@ _OTHER_NAMES = {"val_batch_size": "batch_size_val", "eval_batch_size": "batch_si
 
 
 # The keys of this process's command-line overrides (``key=value``), while the recipe's entry point runs
-# (torchtune_ext.control.exits.exit_on_user_error sets them before torchtune merges them into the YAML): validate
+# (torchtune_ext.run.control.exits.exit_on_user_error sets them before torchtune merges them into the YAML): validate
 # refuses one whose top-level key the recipe does not have; the same key in the YAML file is a warning only.
 _command_line_keys: Tuple[str, ...] = ()
 
@@ -43,7 +43,7 @@ def command_line_keys(keys: Iterable[str]) -> Iterator[None]:
 
     Args:
         keys: dotted keys of the ``key=value`` overrides typed on the command
-            line (``optimizer.lr``), as :func:`torchtune_ext.control.command_line.check_command_line` returns them.
+            line (``optimizer.lr``), as :func:`torchtune_ext.run.control.command_line.check_command_line` returns them.
     """
     global _command_line_keys
     outer, _command_line_keys = _command_line_keys, tuple(keys)
@@ -56,8 +56,8 @@ def command_line_keys(keys: Iterable[str]) -> Iterator[None]:
 def _check_command_line_keys(schema: Dict[str, Key]) -> None:
     for key in _command_line_keys:
         top = key.split(".")[0].split("[")[0]
-        if top in schema:
-            continue  # a component's arguments are checked against its signature (torchtune_ext.preflight)
+        if top in schema or top in REMOVED_KEYS:  # a removed key: resolve_backward says what replaces it
+            continue  # a component's arguments are checked against its signature (torchtune_ext.run.preflight)
         readers = [name for name, keys in (("distributed", DISTRIBUTED_KEYS), ("LoRA", LORA_KEYS)) if top in keys]
         hint = _closest(top, schema) or (f" (only the {readers[0]} recipes read it)" if readers else "")
         raise ConfigError(key, f"typed on the command line, but this recipe has no key '{top}', so the value "
@@ -111,9 +111,9 @@ def validate(cfg: DictConfig, extra_keys: Optional[Dict[str, Key]] = None,
             checked.
 
     What ``output_dir`` holds is not looked at here: whether another run
-    holds it (:func:`torchtune_ext.control.run_lock.check_not_in_use`) and
-    where a run starts (:func:`torchtune_ext.resume.check_resume_point`) are
-    checked next, by :func:`torchtune_ext.loop.run_recipe`.
+    holds it (:func:`torchtune_ext.run.control.run_lock.check_not_in_use`) and
+    where a run starts (:func:`torchtune_ext.run.resume.check_resume_point`) are
+    checked next, by :func:`torchtune_ext.run.loop.run_recipe`.
 
     Returns:
         DictConfig: a new config with every known key present.
@@ -131,7 +131,7 @@ def validate(cfg: DictConfig, extra_keys: Optional[Dict[str, Key]] = None,
             raise ConfigError(key, f"is required: give it on the command line ({key}=...){_MISSING_HINTS.get(key, '')}")
     backward_given = "backward" in cfg
     for key in list(cfg.keys()):
-        if key not in schema:
+        if key not in schema and key not in REMOVED_KEYS:
             log.warning("Unknown config key '%s' is ignored.%s", key, _closest(key, schema))
     training = evaluate_on is None
     for key, spec in schema.items():
