@@ -1,0 +1,50 @@
+"""Data-parallel exactness: FSDP2 over 2 ranks (gloo, CPU) equals one rank.
+
+One launch per world size runs every case (tests/dist_worker.py); the tests
+compare what rank 0 saved. Global batch 4 samples per optimizer step
+everywhere, SGD with clipping active, 3 steps; full fine-tuning and LoRA.
+The ``eval_*`` cases run one validation pass (torchtune_ext.evaluate) over 13
+samples at several batch sizes, packings and world sizes.
+"""
+
+
+import pytest
+
+
+def test_a_gathered_save_silences_exactly_torchs_strided_shard_remark(caplog):
+    """A gathered save under FSDP2 x tensor parallelism makes torch say, on every rank, that gathering a
+    _StridedShard parameter "is suboptimal" (a remark about speed; the result is exact): the gather silences
+    exactly that line (torch's own function writes it here), and only while it gathers."""
+    import logging
+    import warnings
+
+    from torch.distributed.tensor import Replicate, Shard, _redistribute
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from torchtune_ext.distributed import quiet_strided_gather
+
+    remark = getattr(_redistribute, "_warn_flatten_optimization_not_possible", None)
+    if remark is None:
+        pytest.skip("this torch version words the remark elsewhere")
+
+    class Mesh:  # what the remark reads of the device mesh
+        mesh_dim_names = ("dp", "tp")
+
+    def say(mesh):
+        remark(mesh, (0, 1), (_StridedShard(0, split_factor=2), Shard(0)), (Replicate(), Replicate()), 2,
+               "allgather", "no_flattened_mesh")
+
+    other = logging.getLogger(_redistribute.__name__)
+    meshes = [Mesh(), Mesh()]  # torch says it once per mesh: two live ones, two lines
+    with caplog.at_level("WARNING"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with quiet_strided_gather():
+                say(meshes[0])
+                warnings.warn("While redistributing from (_StridedShard(dim=0, sf=2), Shard(dim=0)): This is "
+                              "suboptimal")
+                other.warning("another remark of DTensor")
+        assert [r.getMessage() for r in caplog.records] == ["another remark of DTensor"]
+        assert caught == []
+        say(meshes[1])  # outside a gather it is shown as before
+    assert "_StridedShard" in caplog.records[-1].getMessage() and "suboptimal" in caplog.records[-1].getMessage()
