@@ -46,7 +46,7 @@ def _wandb_run(run_dir: Path):
 def test_exact_cases_pass_and_the_control_is_reported(tmp_path, in_repo):
     config = write_tiny_setup(tmp_path)
     out = tmp_path / "report"
-    # a subset keeps the test short: N=2 has 5 cases (the backward modes agree: tests/test_backward_mode.py)
+    # a subset keeps the test short: N=2 has 5 cases (the backward modes agree: tests/unit/train/test_backward_mode.py)
     cases = ["bs1_ga2_once", "control_bs1_ga2_mean_of_means"]
     status = main(["--config", str(config), "--global-batch-size", "2", "--steps", "3",
                    "--output-dir", str(out), "--cases", ",".join(cases)])

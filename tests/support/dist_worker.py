@@ -1,7 +1,9 @@
-"""torchrun worker for the data-parallel exactness tests (tests/test_distributed.py).
+"""torchrun worker for the data-parallel exactness tests (tests/integration/distributed/test_distributed.py).
 
-    torchrun --nproc_per_node N tests/dist_worker.py OUT.pt CASES_JSON
-    python tests/dist_worker.py OUT.pt CASES_JSON      # one rank, no torchrun
+    torchrun --nproc_per_node N -m tests.support.dist_worker OUT.pt CASES_JSON
+    python -m tests.support.dist_worker OUT.pt CASES_JSON      # one rank, no torchrun
+
+(from the repository root, which must be on PYTHONPATH: tests.support.helpers.run_worker does both)
 
 Each case trains a freshly initialised tiny Llama (same seed on every rank
 and in every case) for a few SGD steps, through the same pieces the

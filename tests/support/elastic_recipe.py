@@ -2,7 +2,7 @@
 
     tune run --nproc_per_node 2 --max-restarts 1 tests/support/elastic_recipe.py --config RUN.yaml
 
-For tests/test_lost_processes.py: torchrun's agent sees the dead worker, stops the
+For tests/integration/test_lost_processes.py: torchrun's agent sees the dead worker, stops the
 other and starts both again (``TORCHELASTIC_RESTART_COUNT`` 1), and those run the
 same command line from the top. The kill happens inside the worker, after a
 logged step, so the test does not race a run whose steps take milliseconds.

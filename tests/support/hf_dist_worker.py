@@ -1,9 +1,10 @@
-"""torchrun worker for the data-parallel test of transformers models (tests/test_hf_distributed.py).
+"""torchrun worker for the data-parallel test of transformers models.
 
-    torchrun --nproc_per_node N tests/hf_dist_worker.py OUT.pt FOLDER CASES_JSON
-    python tests/hf_dist_worker.py OUT.pt FOLDER CASES_JSON      # one rank
+    torchrun --nproc_per_node N -m tests.support.hf_dist_worker OUT.pt FOLDER CASES_JSON
+    python -m tests.support.hf_dist_worker OUT.pt FOLDER CASES_JSON      # one rank
 
-(tests/test_hf_distributed.py; tests/test_hf_tensor_parallel.py, whose cases
+(tests/integration/distributed/test_hf_distributed.py; tests/integration/distributed/test_hf_tensor_parallel.py,
+whose cases
 name their own ``folder``, ``tp`` ranks per tensor-parallel group, and may
 ``count_all_ranks``: reduce the step's token count over every rank instead of
 the data-parallel group, the mistake its test must catch; ``in_backward``:

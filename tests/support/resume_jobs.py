@@ -1,8 +1,8 @@
 """Recipe runs stopped by a real SIGTERM after chosen steps, in process: resume chains and elastic resume.
 
-Used by tests/recipes/test_resume_chain.py in the pytest process (one rank) and by
-tests/resume_worker.py under torchrun (two ranks). The model, tokenizer and
-data are tests/tiny_setup.py's (byte-level tokenizer, 2-layer Llama of width
+Used by tests/integration/recipes/test_resume_chain.py in the pytest process (one rank) and by
+tests/support/resume_worker.py under torchrun (two ranks). The model, tokenizer and
+data are tests/support/tiny_setup.py's (byte-level tokenizer, 2-layer Llama of width
 32): a step takes milliseconds, so a chain of eleven runs costs seconds.
 
 A run is stopped the way a scheduler stops it: after optimizer step ``k`` has

@@ -1,6 +1,6 @@
-"""torchrun worker: many recipe runs in one launch (tests/recipes/test_resume_chain.py).
+"""torchrun worker: many recipe runs in one launch (tests/integration/recipes/test_resume_chain.py).
 
-    torchrun --nproc_per_node 2 tests/resume_worker.py SETUP_YAML JOBS_JSON
+    torchrun --nproc_per_node 2 -m tests.support.resume_worker SETUP_YAML JOBS_JSON
 
 Each job is ``{"recipe", "out", "overrides", "stops", "stop_ranks"}``: a fresh
 run stopped by SIGTERM after ``stops[0]`` (on rank ``stop_ranks[0]``), then

@@ -1,8 +1,8 @@
-"""torchrun worker for the tensor-parallel exactness tests (tests/test_tensor_parallel.py).
+"""torchrun worker for the tensor-parallel exactness tests (tests/integration/distributed/test_tensor_parallel.py).
 
-    torchrun --nproc_per_node 4 tests/tp_worker.py OUT.pt CASES_JSON
+    torchrun --nproc_per_node 4 -m tests.support.tp_worker OUT.pt CASES_JSON
 
-Each case trains a tiny model of tests/dist_worker.py (``arch``: the tied
+Each case trains a tiny model of tests/support/dist_worker.py (``arch``: the tied
 Llama, or the Qwen2 with its own output projection and q/k/v biases) from the
 same initial weights for 4 AdamW steps (clipping active) on the same global
 batch of 4 samples per step, through the pieces the distributed recipes use:

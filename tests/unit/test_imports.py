@@ -158,7 +158,7 @@ def _layer(module: str) -> int:
     if not top:
         return 0  # the package's own __init__
     found = [layer for layer, names in LAYERS.items() if top in names]
-    assert found, f"{module} is in no layer of LAYERS (tests/test_imports.py, docs/architecture.md)"
+    assert found, f"{module} is in no layer of LAYERS (tests/unit/test_imports.py, docs/architecture.md)"
     return found[0]
 
 

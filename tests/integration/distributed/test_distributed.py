@@ -1,6 +1,6 @@
 """Data-parallel exactness: FSDP2 over 2 ranks (gloo, CPU) equals one rank.
 
-One launch per world size runs every case (tests/dist_worker.py); the tests
+One launch per world size runs every case (tests/support/dist_worker.py); the tests
 compare what rank 0 saved. Global batch 4 samples per optimizer step
 everywhere, SGD with clipping active, 3 steps; full fine-tuning and LoRA.
 The ``eval_*`` cases run one validation pass (torchtune_ext.evaluate) over 13
@@ -109,7 +109,7 @@ def launch(world_size, cases, out):
     return torch.load(out, weights_only=False)
 
 
-# rank 1 starts every step 0.5 s late (tests/dist_worker.py): rank 0 waits for it in the step's collectives
+# rank 1 starts every step 0.5 s late (tests/support/dist_worker.py): rank 0 waits for it in the step's collectives
 LATE_CASE = case(2, 2, 1, False, late_rank=1)
 
 

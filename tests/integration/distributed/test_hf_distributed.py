@@ -1,6 +1,6 @@
 """A transformers model (tiny Qwen3, tied embeddings) on 2 ranks (FSDP2, gloo) equals one rank, full and LoRA.
 
-One launch per world size (tests/hf_dist_worker.py); global batch of 4
+One launch per world size (tests/support/hf_dist_worker.py); global batch of 4
 samples per optimizer step everywhere, SGD with clipping, 2 steps.
 """
 

@@ -1,9 +1,9 @@
-"""Tensor parallelism x FSDP2: the same training as data parallelism, and bad input refused before anything loads.
+"""Tensor parallelism x FSDP2: the same training as data parallelism.
 
-The exactness tests run one 4-process launch (tests/tp_worker.py, gloo on
-CPU): 2 data-parallel x 2 tensor-parallel ranks against 4 data-parallel
-ranks on the same global batch, 4 AdamW steps with clipping. The config
-checks run in this process on models built on the meta device.
+One 4-process launch (tests/support/tp_worker.py, gloo on CPU): 2 data-parallel x
+2 tensor-parallel ranks against 4 data-parallel ranks on the same global batch,
+4 AdamW steps with clipping. The plan and the config checks, in this process:
+tests/unit/parallel/test_tensor_parallel.py.
 """
 
 import json
@@ -31,7 +31,8 @@ CASES = [
     # the mistake: the token count and sums reduced over every rank, i.e. each token counted once per tp rank
     {"name": "dp2_tp2_counted_on_every_rank", "tp": 2, "count_all_ranks": True},
     # checkpointed after 2 steps as the recipes save, continued on another layout
-    # (TP -> DP: tests/recipes/test_tensor_parallel_recipe.py, through the recipe, from a sharded checkpoint)
+    # (TP -> DP: tests/integration/recipes/test_tensor_parallel_recipe.py, through the recipe, from a sharded
+    # checkpoint)
     {"name": "dp4_then_dp2_tp2", "tp": 1, "then_tp": 2},
 ]
 REFERENCE = {"dp2_tp2": "dp4", "dp2_tp2_once": "dp4", "qwen2_dp2_tp2": "qwen2_dp4", "lora_dp2_tp2": "lora_dp4",

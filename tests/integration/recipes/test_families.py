@@ -1,6 +1,6 @@
 """Each model family through both single-device recipes, from its torchtune config.
 
-For every family (tests/families.py: Llama 3 and 3.2, Qwen 2.5, Gemma,
+For every family (tests/support/families.py: Llama 3 and 3.2, Qwen 2.5, Gemma,
 Gemma 2, Mistral, Phi-3) a tiny random model is written in the family's HF
 layout with a tokenizer of the family's format, and the family's own
 torchtune 0.6.1 single-device config runs with our recipe for two steps,
@@ -37,7 +37,7 @@ PACKAGED_LORA = {name: path for recipe in ("lora_finetune_single_device", "lora_
 
 def family_config(name: str, kind: str, folder, data, output_dir, *extra: str, path=None):
     """The family's torchtune config for ``kind`` (or the config file ``path``) with the tiny model and
-    the overrides of tests/families.py."""
+    the overrides of tests/support/families.py."""
     family = FAMILIES[name]
     cfg = OmegaConf.load(path or PACKAGED[family.full_config if kind == "full" else family.lora_config])
     assert cfg.checkpointer.model_type == family.model_type

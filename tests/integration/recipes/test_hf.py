@@ -120,8 +120,8 @@ def test_a_resumed_run_continues_exactly(folder, one_device):
 def test_two_ranks_equal_one_device(folder, one_device):
     """batch 1 x 2 accumulation steps on each of 2 ranks == batch 2 x 2 on one device (the same 4 samples a step).
 
-    LoRA on 2 ranks: tests/test_hf_distributed.py (== 1 rank, in one launch) and tests/recipes/test_sharded_hf.py
-    (the recipe, its adapter loaded in PEFT)."""
+    LoRA on 2 ranks: tests/integration/distributed/test_hf_distributed.py (== 1 rank, in one launch) and
+    tests/integration/recipes/test_sharded_hf.py (the recipe, its adapter loaded in PEFT)."""
     reference = read_jsonl(one_device / "logs" / "metrics.jsonl")
     out = folder / "full_two_ranks"
     tune("full_finetune_distributed", "full", *overrides(folder, out, "batch_size=1", "gradient_accumulation_steps=2"),

@@ -33,7 +33,7 @@ def two_ranks(assets, tmp_path, output_dir, *overrides):
 
 def test_checkpoint_holds_the_gathered_adapter_and_merged_model(smollm2_assets, tmp_path):
     """Adapter, PEFT config and merged model are gathered from 2 ranks. (A 2-rank LoRA run resumed bit for bit,
-    dropout on, through four stops: tests/recipes/test_resume_chain.py.)"""
+    dropout on, through four stops: tests/integration/recipes/test_resume_chain.py.)"""
     settings = ["max_steps_per_epoch=4", "save_every_n_steps=2", "batch_size=1", "gradient_accumulation_steps=2",
                 "lr_scheduler.num_warmup_steps=1", "optimizer.lr=0.01"]
     straight = tmp_path / "straight"

@@ -8,7 +8,7 @@ bit for bit on the same world size; to fp32 precision (1e-5) where the run
 comes back on another world size with the same global batch.
 
 One rank runs in the pytest process; two ranks in one torchrun launch
-(tests/resume_worker.py) that serves every two-rank job of this module.
+(tests/support/resume_worker.py) that serves every two-rank job of this module.
 """
 
 import json
@@ -125,7 +125,7 @@ def two_ranks(setup_yaml, tmp_path_factory):
         # the run stopped by a signal from outside, resumed to the end; and its uninterrupted reference
         {"recipe": "full_dist", "out": str(root / "signalled"), "overrides": [*TWO_RANKS, *LONG], "resume": True},
         {"recipe": "full_dist", "out": str(root / "signal_ref"), "overrides": [*TWO_RANKS, *LONG]},
-        # a folder this test process holds (tests/test_run_lock.py for one rank)
+        # a folder this test process holds (tests/integration/test_run_lock.py for one rank)
         {"held": True, "out": str(root / "held")},
     ]
     lock = OutputDirLock(str(root / "held"))

@@ -1,7 +1,7 @@
 """Sharded checkpoints on the transformers model path (configs/hf/*.yaml): resume at another world size, and
 the final Hugging Face folder, written file by file from the shards, is the one a gathered save writes.
 
-A tiny random Qwen3 folder (tied embeddings) as in tests/recipes/test_hf.py. Full fine-tuning on 2
+A tiny random Qwen3 folder (tied embeddings) as in tests/integration/recipes/test_hf.py. Full fine-tuning on 2
 ranks saves asynchronously every 2 steps (LoRA synchronously); its step_2 resumes in one process (batch
 1 x 4 accumulation steps: the same global batch) and must continue the uninterrupted run (loss and grad
 norm to 1e-5). The final folders of the sharded runs (full and LoRA) must give the logits of the gathered
@@ -9,7 +9,7 @@ runs' folders in transformers (LoRA: the merged model, and PEFT's adapter on the
 must a periodic checkpoint exported on request (``python -m torchtune_ext.checkpoint.export``). The
 gathered runs, full and LoRA, are tensor parallel (1 data-parallel x 2 tensor-parallel ranks, the model's
 own tp_plan, batch 2 x 2 accumulation steps: the same global batch) and must train as the data-parallel
-ones: the recipe's end of tests/test_hf_tensor_parallel.py.
+ones: the recipe's end of tests/integration/distributed/test_hf_tensor_parallel.py.
 """
 
 import json

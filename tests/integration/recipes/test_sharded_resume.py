@@ -1,7 +1,7 @@
 """Sharded checkpoints resume exactly at another world size: 4 ranks -> 2 and 2 -> 4, full and LoRA.
 
 Each run is a distributed recipe with ``sharded_checkpoints: true`` on the
-tiny setup of tests/tiny_setup.py (4 optimizer steps of 4 samples), stopped
+tiny setup of tests/support/tiny_setup.py (4 optimizer steps of 4 samples), stopped
 by a real SIGTERM after step 2 (the stop saves a sharded checkpoint, exit
 75; on 2 ranks asynchronously, after every step, as ``enable_async_checkpointing``
 does) and resumed on the other world size from a copy of that checkpoint. The
@@ -14,7 +14,7 @@ the resume (4 -> 8 samples per step), the resumed run must equal a resume
 of the same checkpoint on its own world size with the same change.
 
 Four torchrun launches (4, 2, 4, then 2 ranks) serve every case
-(tests/resume_worker.py); a model this small trains in milliseconds a step,
+(tests/support/resume_worker.py); a model this small trains in milliseconds a step,
 so the launches' start-up is most of the cost. The first launch also trains
 the same runs with gathered saves: the final sharded checkpoint's Hugging
 Face folder, exported file by file, must equal theirs.

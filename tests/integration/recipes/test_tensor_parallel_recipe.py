@@ -4,7 +4,7 @@
 data-parallel ranks do on the same global batch of 4 samples per optimizer
 step (4 ranks x batch 1; 2 ranks x batch 1 x 2 micro-batches), the
 sharded checkpoint of the tensor-parallel run resumes on 4 data-parallel
-ranks (the other direction: tests/test_tensor_parallel.py), and two
+ranks (the other direction: tests/integration/distributed/test_tensor_parallel.py), and two
 launchers of 2 processes meeting at a rendezvous on loopback (two
 "nodes") train as one launcher of 4. Each 4-process
 launch costs ~1 min on 2 cores: the runs are shared by the tests of this
@@ -55,7 +55,8 @@ def runs(smollm2_assets, tmp_path_factory):
     """The two layouts straight through 4 steps, and the 2 x 2 run's (sharded) step_2 resumed on 4 DP ranks."""
     tmp_path = tmp_path_factory.mktemp("tp_recipe")
     done = {name: launch(tmp_path, smollm2_assets, name, *overrides) for name, overrides in LAYOUTS.items()}
-    for source, target in (("dp2_tp2", "dp4"),):  # DP -> TP: tests/test_tensor_parallel.py (one launch for all)
+    # DP -> TP: tests/integration/distributed/test_tensor_parallel.py (one launch for all)
+    for source, target in (("dp2_tp2", "dp4"),):
         name = f"{source}_then_{target}"
         shutil.copytree(done[source][0] / "step_2", tmp_path / name / "step_2")  # as if it had stopped there
         done[name] = launch(tmp_path, smollm2_assets, name, *LAYOUTS[target], "resume_from_checkpoint=true")
@@ -105,7 +106,7 @@ def test_a_checkpoint_resumes_on_the_other_layout(runs, name):
 
     The 2 x 2 run's checkpoints are sharded (each rank wrote its DTensor shards with DCP): resumed on 4
     data-parallel ranks they are resharded. (A gathered checkpoint split over the 2-D mesh:
-    tests/test_tensor_parallel.py::test_a_checkpoint_moves_between_tensor_and_data_parallel.)"""
+    tests/integration/distributed/test_tensor_parallel.py::test_a_checkpoint_moves_between_tensor_and_data_parallel.)"""
     source = name.split("_then_")[0]
     assert (runs["dp2_tp2"][0] / "step_2" / "dcp").is_dir() and not (runs["dp4"][0] / "step_2" / "dcp").exists()
     got = read_jsonl(runs[name][0] / "logs" / "metrics.jsonl")
@@ -181,7 +182,8 @@ def test_sigterm_to_every_process_of_a_two_node_tensor_parallel_job_saves(smollm
 
 def test_bad_tensor_parallel_settings_stop_before_the_model_loads(smollm2_assets, tmp_path):
     """Under torchrun, one line, exit 2, nothing written. The checks themselves, in one process: the ranks
-    (tests/test_upstream_keys.py), the head counts and a model without a plan (tests/test_tensor_parallel.py)."""
+    (tests/unit/config/test_upstream_keys.py), the head counts and a model without a plan
+    (tests/unit/parallel/test_tensor_parallel.py)."""
     launcher, overrides = ["--nproc_per_node", "2"], ["tensor_parallel_dim=2", "model.num_kv_heads=1"]
     words = "config key 'tensor_parallel_dim': 2 does not divide the model's num_kv_heads=1"
     out = tmp_path / "run"

@@ -198,7 +198,8 @@ def test_commands_give_both_implementations_the_same_settings(tmp_path):
 
 def test_upstream_lora_runs_start_from_our_adapter():
     """Upstream draws its initial adapter from another random stream than ours; the benchmark gives it ours
-    (bench.launch.OurInitialAdapter, tested in tests/recipes/test_lora_parity.py), drawn with the runs' seed."""
+    (bench.launch.OurInitialAdapter, tested in tests/integration/recipes/test_lora_parity.py), drawn with the runs'
+    seed."""
     for profile in PROFILES.values():
         for case in profile.cases():
             cmd = command(case, profile, Path("/tmp/x"))

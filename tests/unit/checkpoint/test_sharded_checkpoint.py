@@ -1,7 +1,8 @@
 """Sharded checkpoints in one process: the keys' checks, a save read back exactly, another model refused.
 
 The multi-rank cases (4 -> 2 and 2 -> 4 ranks, the export) are in
-tests/integration/recipes/test_sharded_resume.py; here DCP runs without a process group,
+tests/integration/recipes/test_sharded_resume.py, a kill during a save and a write failing on one rank in
+tests/integration/distributed/test_sharded_checkpoint.py; here DCP runs without a process group,
 on a tiny torchtune Llama, in well under a second.
 """
 

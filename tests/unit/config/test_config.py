@@ -25,7 +25,7 @@ def test_positive_integers(cfg, key, value):
         validate(cfg)
 
 
-@pytest.mark.parametrize("value", ["yes", 1])  # null: not given (tests/test_backward_mode.py)
+@pytest.mark.parametrize("value", ["yes", 1])  # null: not given (tests/unit/train/test_backward_mode.py)
 def test_backward_once_per_step_must_be_boolean(cfg, value):
     cfg.backward_once_per_step = value
     with pytest.raises(ConfigError, match="'backward_once_per_step'.*true or false"):

@@ -47,7 +47,8 @@ def _our_recipe(path: Path) -> str:
 
 UPSTREAM = [(recipe, name, path) for recipe in RECIPES for name, path in packaged_configs(recipe)]
 # Ours with a torchtune model; those of transformers models (configs/hf and the named configs built on them, whose
-# one required key is model_dir) are checked by tests/test_named_configs.py and tests/test_shipped_configs.py.
+# one required key is model_dir) are checked by tests/unit/config/test_named_configs.py and
+# tests/unit/config/test_shipped_configs.py.
 OURS = [(_our_recipe(path), str(path.relative_to(REPO_ROOT)), path)
         for path in sorted((REPO_ROOT / "configs").rglob("*.yaml"))
         if not is_hf_config(OmegaConf.load(path).model)]

@@ -140,7 +140,7 @@ def test_activation_offloading_wraps_every_forward():
 
 def test_tensor_parallel_keys_as_in_torchtunes_70b_configs(cfg, monkeypatch):
     """torchtune's 70B configs name tensor_parallel_dim and the Llama plan; a dimension the job's ranks
-    cannot be split by is refused (tests/test_tensor_parallel.py: the rest)."""
+    cannot be split by is refused (tests/unit/parallel/test_tensor_parallel.py: the rest)."""
     cfg.tensor_parallel_dim = 2
     cfg.tensor_parallel_plan = {"_component_": "torchtune.models.llama3.base_llama_tp_plan"}
     monkeypatch.setenv("WORLD_SIZE", "2")

@@ -1,6 +1,7 @@
 """Data and sequence-length mistakes found before training (issue 33: F7, F12).
 
 Each one is a ConfigError (one line, exit 2) raised before the model loads, naming the key or the file.
+An unreadable file and the recipe's line through ``tune run``: tests/integration/test_data_input.py.
 """
 
 import json

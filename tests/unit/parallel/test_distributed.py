@@ -1,12 +1,8 @@
-"""Data-parallel exactness: FSDP2 over 2 ranks (gloo, CPU) equals one rank.
+"""torchtune_ext.distributed in this process: a gathered save under FSDP2 x tensor parallelism silences exactly
+torch's remark about gathering a _StridedShard parameter.
 
-One launch per world size runs every case (tests/dist_worker.py); the tests
-compare what rank 0 saved. Global batch 4 samples per optimizer step
-everywhere, SGD with clipping active, 3 steps; full fine-tuning and LoRA.
-The ``eval_*`` cases run one validation pass (torchtune_ext.evaluate) over 13
-samples at several batch sizes, packings and world sizes.
+Data-parallel exactness over 1 and 2 ranks (torchrun): tests/integration/distributed/test_distributed.py.
 """
-
 
 import pytest
 

@@ -1,11 +1,9 @@
-"""Tensor parallelism x FSDP2: the same training as data parallelism, and bad input refused before anything loads.
+"""Tensor parallelism x FSDP2: the plan, and bad input refused before anything loads.
 
-The exactness tests run one 4-process launch (tests/tp_worker.py, gloo on
-CPU): 2 data-parallel x 2 tensor-parallel ranks against 4 data-parallel
-ranks on the same global batch, 4 AdamW steps with clipping. The config
-checks run in this process on models built on the meta device.
+In this process, on models built on the meta device. The exactness of the
+training (2 data-parallel x 2 tensor-parallel ranks against 4 data-parallel
+ranks): tests/integration/distributed/test_tensor_parallel.py.
 """
-
 
 import pytest
 import torch
@@ -74,7 +72,7 @@ def test_a_model_without_a_plan_is_refused():
         tensor_parallel_plan(None, "torchtune.models.gemma.gemma_2b")
     assert err.value.key == "tensor_parallel_plan" and "has no tensor-parallel plan" in str(err.value)
     assert "tensor_parallel_dim=1" in str(err.value)
-    # a transformers model brings its own (tests/test_hf_tensor_parallel.py)
+    # a transformers model brings its own (tests/unit/parallel/test_hf_tensor_parallel.py)
     assert tensor_parallel_plan(None, "torchtune_ext.hf.causal_lm") is None
 
 

@@ -14,7 +14,7 @@ from torchtune_ext.step import StepResult
 
 CPU = torch.device("cpu")
 
-# tests/helpers.tiny_model: vocabulary 128, 2 layers, width 32, 4 heads of 8, 2 KV heads, MLP 64, tied output.
+# tests.support.helpers.tiny_model: vocabulary 128, 2 layers, width 32, 4 heads of 8, 2 KV heads, MLP 64, tied output.
 Q, K, V, O = 32 * 32, 32 * 16, 32 * 16, 32 * 32      # k and v: 2 KV heads x 8 = 16 wide
 MLP = 3 * 32 * 64                                    # w1, w2, w3
 PER_LAYER = Q + K + V + O + MLP                      # 9,216

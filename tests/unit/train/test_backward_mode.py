@@ -163,7 +163,7 @@ def test_the_older_argument_still_selects_the_mode():
 
 
 def test_once_per_step_does_not_redo_a_step_that_ran_out_of_memory():
-    """auto redoes such a step per micro-batch (tests/test_memory.py); once_per_step was asked for: the error
+    """auto redoes such a step per micro-batch (tests/unit/train/test_memory.py); once_per_step was asked for: the error
     stands, after the warning above said it might come."""
     model, loss_fn = model_and_loss()
     calls = {"n": 0}

@@ -276,7 +276,7 @@ def test_embedding_rows_into_grad_reach_optimizer_in_backward():
 
 def test_embedding_rows_into_grad_only_where_it_is_safe():
     """Untied, frozen, on a GPU or compiled: the embedding keeps autograd's backward. (A padding_idx is
-    kept exactly: tests/test_hf_tied_embedding.py.)"""
+    kept exactly: tests/unit/model/hf/test_hf_tied_embedding.py.)"""
     from torchtune_ext.models import tiny_llama
 
     untied = tiny_llama(vocab_size=VOCAB, embed_dim=32, tie_word_embeddings=False)

@@ -177,7 +177,7 @@ def test_vision_language_models_are_refused_naming_their_class(tmp_path):
     gemma3 = tmp_path / "gemma3"
     AutoConfig.for_model("gemma3").save_pretrained(str(gemma3))  # Gemma 3 4B's layout: text + vision
     assert "Gemma3ForConditionalGeneration is an image-text model (vision_config); set model.text_only=true" \
-        in str(refused(gemma3))  # its language model can train alone: tests/test_hf_text_only.py
+        in str(refused(gemma3))  # its language model can train alone: tests/unit/model/hf/test_hf_text_only.py
     qwen_vl = write_config(tmp_path / "qwen2_vl", model_type="qwen2_vl",
                            architectures=["Qwen2VLForConditionalGeneration"])
     assert "Qwen2VLForConditionalGeneration is a multimodal model (vision_config) whose language model " \

@@ -1,7 +1,7 @@
 """transformers models through the recipes' flow (torchtune_ext.hf): losses, exactness, packing.
 
 Every model is a tiny random model of its family written as an HF folder
-(tests/hf_tiny.py), built by ``causal_lm`` on the meta device and loaded
+(tests/support/hf_tiny.py), built by ``causal_lm`` on the meta device and loaded
 with the checkpointer's state dict, as the recipes will do.
 """
 
@@ -17,7 +17,7 @@ from torchtune_ext.step import train_step
 
 CPU = torch.device("cpu")
 TOL = 1e-5
-NAMES = ["gemma3", "llama", "mistral", "qwen3", "qwen3_moe"]  # gpt-oss: tests/test_hf_moe.py
+NAMES = ["gemma3", "llama", "mistral", "qwen3", "qwen3_moe"]  # gpt-oss: tests/unit/model/hf/test_hf_moe.py
 
 
 @pytest.fixture(scope="module")
