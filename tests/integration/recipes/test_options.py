@@ -13,35 +13,46 @@ SETTINGS = ["max_steps_per_epoch=3", "batch_size=2", "gradient_accumulation_step
             "lr_scheduler.num_warmup_steps=0", "optimizer.lr=0.01"]
 
 
+def _run(assets, base, out, *overrides):
+    cfg = tiny_recipe_config("configs/smollm2/135M_full_single_device.yaml",
+                             {"_component_": "torchtune_ext.models.tiny_llama"}, assets, base, out, *SETTINGS,
+                             *overrides)
+    recipe = run_recipe(RECIPE, validate(cfg))
+    return recipe, read_jsonl(out / "logs" / "metrics.jsonl")
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    path = tmp_path_factory.mktemp("options") / "base"
+    write_tiny_hf_checkpoint(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def plain(smollm2_assets, base):
+    """The run with SETTINGS alone, trained once for the tests that compare an option with it."""
+    return _run(smollm2_assets, base, base.parent / "plain")
+
+
 @pytest.fixture
-def run(smollm2_assets, tmp_path):
-    base = tmp_path / "base"
-    write_tiny_hf_checkpoint(base)
-
-    def _run(name, *overrides):
-        cfg = tiny_recipe_config("configs/smollm2/135M_full_single_device.yaml",
-                                 {"_component_": "torchtune_ext.models.tiny_llama"}, smollm2_assets, base,
-                                 tmp_path / name, *SETTINGS, *overrides)
-        recipe = run_recipe(RECIPE, validate(cfg))
-        return recipe, read_jsonl(tmp_path / name / "logs" / "metrics.jsonl")
-
-    return _run
+def run(smollm2_assets, base, tmp_path):
+    return lambda name, *overrides: _run(smollm2_assets, base, tmp_path / name, *overrides)
 
 
 def losses(rows):
     return [r["loss"] for r in rows]
 
 
-def test_activation_checkpointing_wraps_layers_and_changes_no_number(run):
-    plain, rows = run("plain")
+def test_activation_checkpointing_wraps_layers_and_changes_no_number(run, plain):
+    plain, rows = plain
     wrapped, rows_ac = run("ac", "enable_activation_checkpointing=true")
     assert not any(isinstance(m, CheckpointWrapper) for m in plain.model.modules())
     assert sum(isinstance(m, CheckpointWrapper) for m in wrapped.model.modules()) == len(wrapped.model.layers)
     assert losses(rows_ac) == pytest.approx(losses(rows), rel=1e-6)
 
 
-def test_bf16_trains_in_bf16_close_to_fp32(run):
-    _, rows = run("fp32")
+def test_bf16_trains_in_bf16_close_to_fp32(run, plain):
+    _, rows = plain  # fp32
     recipe, rows_bf16 = run("bf16", "dtype=bf16")
     assert {p.dtype for p in recipe.model.parameters()} == {torch.bfloat16}
     # the loss is accumulated in fp32 from bf16 logits: close, not equal
@@ -49,8 +60,8 @@ def test_bf16_trains_in_bf16_close_to_fp32(run):
     assert all(r["loss"] == r["loss"] for r in rows_bf16)  # no NaN
 
 
-def test_compile_matches_eager(run):
-    eager, rows = run("eager")
+def test_compile_matches_eager(run, plain):
+    eager, rows = plain
     recipe, rows_compiled = run("compiled", "compile=true")
     compiled = [m for m in recipe.model.modules() if getattr(m, "_compiled_call_impl", None) is not None]
     assert len(compiled) == len(recipe.model.layers)
@@ -185,9 +196,9 @@ def test_log_level_applies_and_each_step_logs_its_backward_mode(run, caplog):
     assert losses(each) == pytest.approx(losses(quiet), rel=1e-5)
 
 
-def test_token_metrics_can_be_turned_off_and_change_nothing_else(run):
+def test_token_metrics_can_be_turned_off_and_change_nothing_else(run, plain):
     """loss.token_metrics=false: no token_accuracy / entropy in the records, the same training."""
-    _, with_metrics = run("metrics")
+    _, with_metrics = plain
     _, without = run("no_metrics", "loss.token_metrics=false")
     assert all({"token_accuracy", "entropy"} <= r.keys() for r in with_metrics)
     assert not any({"token_accuracy", "entropy"} & r.keys() for r in without)

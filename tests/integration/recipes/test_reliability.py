@@ -238,24 +238,36 @@ def test_more_ranks_than_samples_is_refused(tiny_run):
     assert len(loader) == 3 and loader.steps_per_epoch == 1
 
 
-def test_output_dir_with_checkpoints_is_not_overwritten(tiny_run):
-    config = tiny_run(max_steps_per_epoch=1)
-    assert tune(config).returncode == 0
-    out = config.parent / "out"
-    before = snapshot(out)
+@pytest.fixture(scope="module")
+def one_step_run(tmp_path_factory, smollm2_assets):
+    """A finished one-step run (one launch for the tests below): its config, and its output folder, which each
+    test copies before changing anything."""
+    from tests.support.tiny_run import make_tiny_run
+
+    config = make_tiny_run(tmp_path_factory.mktemp("one_step"), smollm2_assets, max_steps_per_epoch=1)
     proc = tune(config)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return config, config.parent / "out"
+
+
+def test_output_dir_with_checkpoints_is_not_overwritten(one_step_run, tmp_path):
+    config, finished = one_step_run
+    out = tmp_path / "out"
+    shutil.copytree(finished, out)
+    before = snapshot(out)
+    proc = tune(config, f"output_dir={out}")
     assert proc.returncode == 2 and "resume_from_checkpoint=true" in proc.stderr
     assert snapshot(out) == before
 
 
-def test_corrupt_checkpoint_is_refused(tiny_run):
-    config = tiny_run(max_steps_per_epoch=1)
-    assert tune(config).returncode == 0
-    ckpt = config.parent / "out/step_1"
+def test_corrupt_checkpoint_is_refused(one_step_run, tmp_path):
+    config, finished = one_step_run
+    out = tmp_path / "out"
+    shutil.copytree(finished, out)
+    ckpt = out / "step_1"
     weights = next(ckpt.glob("model-*.safetensors"))
     weights.write_bytes(weights.read_bytes()[:100])  # truncated
-    proc = tune(config, "resume_from_checkpoint=true")
+    proc = tune(config, f"output_dir={out}", "resume_from_checkpoint=true")
     assert proc.returncode == 2 and "resume_from_checkpoint" in proc.stderr and weights.name in proc.stderr
     manifest = json.loads((ckpt / "checkpoint.json").read_text())
     assert manifest["step"] == 1
-    shutil.rmtree(ckpt)
