@@ -118,6 +118,19 @@ def chain(recipe: str, setup_yaml: Path, output_dir: Path, stops: Sequence[int],
     return statuses
 
 
+def launch(nproc: int, jobs: Sequence[dict], setup_yaml: Optional[Path] = None, timeout: int = 900) -> str:
+    """Run ``jobs`` in one torchrun launch of ``nproc`` ranks (tests/support/resume_worker.py, whose docstring
+    says what a job is); returns the launch's output (stdout, then stderr). ``setup_yaml``: the tiny setup the
+    jobs without a ``config`` of their own run on."""
+    import json
+
+    from tests.support.helpers import run_worker
+
+    proc = run_worker(nproc, "resume_worker", str(setup_yaml or "-"), json.dumps(list(jobs)), timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc.stdout + proc.stderr
+
+
 def subprocess_env() -> Dict[str, str]:
     """Environment for ``tune run`` subprocesses: this checkout first, one thread (see the module docstring)."""
     from tests.support.helpers import REPO_ROOT

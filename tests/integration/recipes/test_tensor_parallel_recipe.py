@@ -1,18 +1,19 @@
-"""End to end: `tune run --nproc_per_node 4 recipes/full_finetune_distributed.py tensor_parallel_dim=2` (gloo, CPU).
+"""End to end: the distributed recipe with `tensor_parallel_dim=2` (gloo, CPU).
 
 2 data-parallel x 2 tensor-parallel ranks train the tiny Llama exactly as 4
 data-parallel ranks do on the same global batch of 4 samples per optimizer
 step (4 ranks x batch 1; 2 ranks x batch 1 x 2 micro-batches), the
 sharded checkpoint of the tensor-parallel run resumes on 4 data-parallel
-ranks (the other direction: tests/integration/distributed/test_tensor_parallel.py), and two
-launchers of 2 processes meeting at a rendezvous on loopback (two
-"nodes") train as one launcher of 4. Each 4-process
-launch costs ~1 min on 2 cores: the runs are shared by the tests of this
-module, and there are few of them.
+ranks (the other direction: tests/integration/distributed/test_tensor_parallel.py): those
+three runs share one torchrun launch of 4 processes. Through `tune run`: two
+launchers of 2 processes meeting at a rendezvous on loopback (two "nodes")
+train as the 4 data-parallel ranks; SIGTERM to a two-node tensor-parallel job
+saves; bad settings stop before the model loads. Each 4-process launch costs
+~1 min on 2 cores: the runs are shared by the tests of this module, and there
+are few of them.
 """
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -22,6 +23,7 @@ import pytest
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
+from tests.support import resume_jobs
 from tests.support.helpers import REPO_ROOT, read_jsonl, rel_diff, run_tune, tiny_alpaca16_config
 from torchtune_ext.checkpoint import list_checkpoints, verify_checkpoint
 from torchtune_ext.errors import EXIT_STOPPED
@@ -40,27 +42,30 @@ LAYOUTS = {"dp4": ["tensor_parallel_dim=1", "batch_size=1", "gradient_accumulati
                        "enable_activation_checkpointing=true", "sharded_checkpoints=true"]}
 
 
-def launch(tmp_path, assets, name, *overrides):
-    out = tmp_path / name
-    config = tmp_path / f"{name}.yaml"
-    OmegaConf.save(tiny_alpaca16_config(CONFIG, {"_component_": "torchtune_ext.models.tiny_llama"}, assets,
-                                        tmp_path, out, *SETTINGS, *overrides), config)
-    proc = run_tune("--nproc_per_node", "4", RECIPE, "--config", str(config), timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return out, proc
-
-
 @pytest.fixture(scope="module")
 def runs(smollm2_assets, tmp_path_factory):
-    """The two layouts straight through 4 steps, and the 2 x 2 run's (sharded) step_2 resumed on 4 DP ranks."""
+    """The two layouts straight through 4 steps, and the 2 x 2 run's (sharded) step_2 resumed on 4 DP ranks: one
+    torchrun launch of 4 processes (tests/support/resume_worker.py) for the three runs, which were three
+    `tune run` launches of ~1 min each. Returns name -> (output folder, the launch's output)."""
     tmp_path = tmp_path_factory.mktemp("tp_recipe")
-    done = {name: launch(tmp_path, smollm2_assets, name, *overrides) for name, overrides in LAYOUTS.items()}
+    jobs = []
+
+    def job(name, *overrides):
+        config = tmp_path / f"{name}.yaml"
+        OmegaConf.save(tiny_alpaca16_config(CONFIG, {"_component_": "torchtune_ext.models.tiny_llama"},
+                                            smollm2_assets, tmp_path, tmp_path / name, *SETTINGS, *overrides), config)
+        jobs.append({"recipe": "full_dist", "config": str(config)})
+
+    for name, overrides in LAYOUTS.items():
+        job(name, *overrides)
     # DP -> TP: tests/integration/distributed/test_tensor_parallel.py (one launch for all)
     for source, target in (("dp2_tp2", "dp4"),):
         name = f"{source}_then_{target}"
-        shutil.copytree(done[source][0] / "step_2", tmp_path / name / "step_2")  # as if it had stopped there
-        done[name] = launch(tmp_path, smollm2_assets, name, *LAYOUTS[target], "resume_from_checkpoint=true")
-    return done
+        # as if it had stopped there
+        jobs.append({"copy": str(tmp_path / source / "step_2"), "to": str(tmp_path / name / "step_2")})
+        job(name, *LAYOUTS[target], "resume_from_checkpoint=true")
+    output = resume_jobs.launch(4, jobs)
+    return {name: (tmp_path / name, output) for name in [*LAYOUTS, "dp2_tp2_then_dp4"]}
 
 
 def assert_same_steps(got, expected):
@@ -87,8 +92,8 @@ def test_two_by_two_tensor_parallel_equals_four_data_parallel(runs):
     Counting the tokens (and summing the loss) over all 4 ranks instead of the 2 data-parallel ones doubles
     num_tokens and halves the gradient and its norm: this test fails then (checked by that change to
     TrainingRun.dp_group: num_tokens 420 vs 210 at step 1, grad norm 4.43 vs 8.85)."""
-    (tp_out, tp_proc), (dp_out, _) = runs["dp2_tp2"], runs["dp4"]
-    assert "2 data-parallel (FSDP2) x 2 tensor-parallel ranks" in tp_proc.stdout + tp_proc.stderr
+    (tp_out, output), (dp_out, _) = runs["dp2_tp2"], runs["dp4"]
+    assert "2 data-parallel (FSDP2) x 2 tensor-parallel ranks" in output
     tp_rows, dp_rows = read_jsonl(tp_out / "logs" / "metrics.jsonl"), read_jsonl(dp_out / "logs" / "metrics.jsonl")
     assert [r["step"] for r in dp_rows] == [1, 2, 3, 4]
     assert all(r["dp_world_size"] == 2 and r["tp_world_size"] == 2 for r in tp_rows)

@@ -2,7 +2,7 @@
 
 A tiny Llama with tiny_setup's base folder (tokenizer, config.json, weights), trained in a folder of its own
 with a config whose paths are relative to it (as a user's ``assets/...``), saved sharded there; the export
-then runs from another directory. The multi-rank export of a real run is tests/integration/recipes/test_sharded_hf.py's.
+then runs from another directory. The multi-rank export of a real run is tests/integration/recipes/test_hf.py's.
 """
 
 import json

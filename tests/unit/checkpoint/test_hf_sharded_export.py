@@ -3,7 +3,7 @@
 In one process (DCP without a process group), on tiny random folders (tests/support/hf_tiny.py): the model's state is
 saved as shards, exported with :func:`torchtune_ext.checkpoint.export_hf`, and loaded back with
 ``from_pretrained`` (LoRA: also ``PeftModel.from_pretrained`` on the base folder), whose logits must be the
-trained model's. The multi-rank runs through the recipes are in tests/integration/recipes/test_sharded_hf.py.
+trained model's. The multi-rank runs through the recipes are in tests/integration/recipes/test_hf.py.
 """
 
 import json
