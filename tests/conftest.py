@@ -1,11 +1,15 @@
+"""Fixtures and settings of both trees: tests/unit/ and tests/integration/.
+
+The shared helpers are the package ``tests.support``: pytest imports the test
+modules as ``tests.unit...`` and ``tests.integration...`` from the repository
+root, so ``from tests.support.helpers import ...`` works in a test, and in a
+process a test starts from the repository root with the root on PYTHONPATH.
+"""
+
 import os
-import sys
 from pathlib import Path
 
 import pytest
-
-# tests import their shared helpers as a top-level module
-sys.path.insert(0, os.path.dirname(__file__))
 
 
 def _share_the_cores() -> None:
@@ -38,7 +42,7 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 def pytest_configure(config):
     # In the processes that run tests: xdist workers, or the only process with -n 0 (not xdist's controller).
     if hasattr(config, "workerinput") or str(config.getoption("numprocesses", None) or 0) == "0":
-        from helpers import freeze_import_time_objects
+        from tests.support.helpers import freeze_import_time_objects
 
         freeze_import_time_objects()
 
@@ -70,7 +74,7 @@ def smollm2_assets() -> Path:
 @pytest.fixture
 def tiny_run(tmp_path, smollm2_assets):
     """Factory: ``tiny_run(**overrides)`` writes a tiny model/data/config, returns the config path."""
-    from tiny_run import make_tiny_run
+    from tests.support.tiny_run import make_tiny_run
 
     return lambda name="tiny", **overrides: make_tiny_run(tmp_path / name, smollm2_assets, **overrides)
 
@@ -90,9 +94,9 @@ def _restore_signal_handlers():
 @pytest.fixture(scope="session")
 def family_assets(tmp_path_factory):
     """Factory: ``family_assets(name)`` -> (folder, torchtune-named weights, data file) of a tiny model of
-    that family in its HF layout with its tokenizer (tests/families.py), written once per session."""
-    from families import write_family
-    from tiny_setup import write_dataset
+    that family in its HF layout with its tokenizer (tests/support/families.py), written once per session."""
+    from tests.support.families import write_family
+    from tests.support.tiny_setup import write_dataset
 
     root = tmp_path_factory.mktemp("families")
     write_dataset(root / "data.json", 16)

@@ -1,0 +1,243 @@
+"""Step records, the rank-aware JSONL logger, and what reaches W&B offline.
+
+The peak-memory probe, in a fresh process: tests/integration/test_metrics.py.
+"""
+
+import errno
+import json
+import sys
+import time
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from tests.support.wandb_reader import read_offline_run
+from torchtune_ext.run.metrics import MetricLogger, build_metric_logger, step_record
+from torchtune_ext.train.step import StepResult
+
+CPU = torch.device("cpu")
+
+
+def test_step_record_keys_and_throughput():
+    r = StepResult(loss=1.5, num_tokens=300, local_num_tokens=150, grad_norm=2.0)
+    rec = step_record(r, step=3, epoch=0, lr=1e-4, step_seconds=2.0, device=CPU, dp_world_size=2)
+    assert rec["loss"] == 1.5 and rec["grad_norm"] == 2.0 and rec["num_tokens"] == 300
+    assert rec["tokens_per_second"] == 150.0 and rec["tokens_per_second_per_device"] == 75.0
+    assert rec["peak_memory_gib"] > 0
+
+
+def test_skipped_step_logs_no_loss():
+    r = StepResult(loss=None, num_tokens=0, local_num_tokens=0, grad_norm=None, skipped="empty")
+    rec = step_record(r, step=1, epoch=0, lr=1e-4, step_seconds=1.0, device=CPU, skipped_steps=1)
+    assert "loss" not in rec and "grad_norm" not in rec and rec["skipped_steps"] == 1
+
+
+class RecordingBackend:
+    def __init__(self):
+        self.rows, self.closed = [], False
+
+    def log_config(self, cfg):
+        self.cfg = cfg
+
+    def log_dict(self, payload, step):
+        self.rows.append((step, dict(payload)))
+
+    def close(self):
+        self.closed = True
+
+
+def test_jsonl_and_backend_on_rank_zero_only(tmp_path):
+    backend = RecordingBackend()
+    logger = MetricLogger(tmp_path / "logs" / "metrics.jsonl", backend, rank=0)
+    logger.log({"step": 1, "loss": 0.5})
+    logger.log({"step": 2, "loss": 0.25})
+    logger.close()
+    lines = [json.loads(l) for l in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert lines == [{"step": 1, "loss": 0.5}, {"step": 2, "loss": 0.25}]
+    assert backend.rows == [(1, {"loss": 0.5}), (2, {"loss": 0.25})] and backend.closed
+
+    other = RecordingBackend()
+    silent = MetricLogger(tmp_path / "rank1" / "metrics.jsonl", other, rank=1)
+    silent.log({"step": 1, "loss": 0.5})
+    silent.close()
+    assert not (tmp_path / "rank1").exists() and other.rows == []
+
+
+def test_jsonl_appends_on_resume(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    for step in (1, 2):
+        logger = MetricLogger(path, None, rank=0)
+        logger.log({"step": step})
+        logger.close()
+    assert [json.loads(l)["step"] for l in path.read_text().splitlines()] == [1, 2]
+
+
+def test_wandb_offline_run_receives_metrics_and_config(tmp_path):
+    cfg = OmegaConf.create({
+        "output_dir": str(tmp_path),
+        "batch_size": 3,
+        "metric_logger": {
+            "_component_": "torchtune.training.metric_logging.WandBLogger",
+            "project": "test", "mode": "offline", "log_dir": str(tmp_path / "logs"),
+        },
+    })
+    logger = build_metric_logger(cfg, rank=0)
+    logger.log_config(cfg)
+    logger.log({"step": 1, "loss": 0.75, "num_tokens": 10})
+    logger.log({"step": 2, "loss": 0.5, "num_tokens": 12})
+    logger.close()
+    run = read_offline_run(str(tmp_path / "logs"))
+    rows = [r for r in run["history"] if "loss" in r]
+    assert [(r["global_step"], r["loss"], r["num_tokens"]) for r in rows] == [(1, 0.75, 10), (2, 0.5, 12)]
+    assert run["config"]["batch_size"] == 3
+
+
+def test_log_lines_during_training_are_written_above_the_progress_bar(monkeypatch, tmp_path):
+    """A line logged while the bar is shown (the memory guard's, a checkpoint save) starts a line of its
+    own instead of being appended to the bar's; after close() the logger's handler is the original again."""
+    import io
+    import logging
+
+    from torchtune_ext.run.metrics import StepReporter
+    from torchtune_ext.run.metrics import reporter as reporter_module
+
+    console = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", console)  # where the bar and a console handler write
+    handler = logging.StreamHandler(console)
+    monkeypatch.setattr(reporter_module.log, "handlers", [handler])
+    reporter = StepReporter(MetricLogger(tmp_path / "metrics.jsonl"), torch.device("cpu"), total_steps=3)
+    reporter_module.log.warning("a line during training")
+    reporter.close()
+    before = console.getvalue().split("a line during training")[0]
+    assert "0/3" in before  # the bar was drawn first
+    assert before.endswith(("\r", "\n")), repr(before[-40:])
+    assert reporter_module.log.handlers == [handler]
+
+
+# ------------------------------------------------------ a disk that fills during a step (issue 33 F3)
+class FullDiskFile:
+    """A JSONL file on a full disk: every write fails with ENOSPC."""
+
+    def __init__(self):
+        self.closed = False
+
+    def write(self, text):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def close(self):
+        self.closed = True
+
+
+class SlowClosingBackend(RecordingBackend):
+    """W&B with the disk full: closing waits on its service's writes for minutes (401 s in the issue)."""
+
+    def close(self):
+        time.sleep(60)
+
+
+def fake_checkpoint(output_dir, step):
+    folder = output_dir / f"step_{step}"
+    folder.mkdir(parents=True)
+    (folder / "checkpoint.json").write_text(json.dumps({"step": step, "files": {}}))
+    return folder
+
+
+def test_a_full_disk_while_logging_a_step_stops_within_seconds_naming_the_checkpoint(tmp_path, monkeypatch):
+    from torchtune_ext.checkpoint import CheckpointSaveError, OutputWriteError
+    from torchtune_ext.run.metrics import logger as logger_module
+
+    monkeypatch.setattr(logger_module, "BACKEND_CLOSE_TIMEOUT_S", 0.5)
+    latest = fake_checkpoint(tmp_path, 4)
+    fake_checkpoint(tmp_path, 2)
+    logger = MetricLogger(tmp_path / "logs" / "metrics.jsonl", SlowClosingBackend(), rank=0)
+    logger.log({"step": 5, "loss": 1.0})
+    logger._jsonl.close()
+    logger._jsonl = full = FullDiskFile()
+    start = time.monotonic()
+    with pytest.raises(OutputWriteError) as err:
+        logger.log({"step": 7, "loss": 1.0})
+    assert time.monotonic() - start < 5  # not waiting for the backend's close
+    assert isinstance(err.value, CheckpointSaveError)  # the recipes exit with 74, as for a failed save
+    assert str(err.value) == (
+        f"writing the metrics of step 7 to '{tmp_path / 'logs' / 'metrics.jsonl'}' failed (the disk is full): "
+        f"training stopped after step 7; resume from {latest}: free some space, then continue with "
+        "resume_from_checkpoint=true (steps 5-7 are trained again)")
+    assert full.closed
+    logger.close()  # nothing more to write: the recipe's cleanup does not fail again
+
+
+def test_a_write_error_other_than_a_full_disk_and_no_checkpoint_yet(tmp_path):
+    from torchtune_ext.checkpoint import OutputWriteError
+
+    logger = MetricLogger(tmp_path / "logs" / "metrics.jsonl", None, rank=0)
+    logger._jsonl.close()
+    logger._jsonl = FullDiskFile()
+    logger._jsonl.write = lambda text: (_ for _ in ()).throw(OSError(errno.EIO, "Input/output error"))
+    with pytest.raises(OutputWriteError, match=r"^writing the metrics of step 1 to '.*metrics.jsonl' failed "
+                       r"\(OSError: \[Errno 5\] Input/output error\): training stopped after step 1; no checkpoint "
+                       r"of this run exists yet: fix the cause, then start the run again$"):
+        logger.log({"step": 1})
+
+
+def test_a_full_disk_when_the_run_has_finished_says_what_is_complete(tmp_path):
+    """W&B's disk filled during training (its service fails quietly): the closing charts fail. Training is over;
+    the error says so, and that the final checkpoint and every step's metrics are there."""
+    from torchtune_ext.checkpoint import OutputWriteError
+
+    latest = fake_checkpoint(tmp_path, 12)
+
+    class FullDiskBackend(RecordingBackend):
+        def close(self):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    logger = MetricLogger(tmp_path / "logs" / "metrics.jsonl", FullDiskBackend(), rank=0)
+    logger.log({"step": 12, "loss": 1.0})
+    with pytest.raises(OutputWriteError) as err:
+        logger.close()
+    assert str(err.value) == (
+        "writing the metric logger's last records failed (the disk is full) after training finished: "
+        f"{latest} is complete, and every step's metrics are in {tmp_path / 'logs' / 'metrics.jsonl'}; "
+        "free some space")
+
+
+# ----------------------------------------------- the learning rate at full precision (issue 33 U6)
+def test_lr_is_logged_at_full_precision_and_the_last_step_line_shows_it(tmp_path, caplog):
+    """W&B's console run summary printed "lr 0.0" for 2.9e-06: it rounds every float to 5 decimals. The value
+    logged is the optimizer's, to the last bit, in the JSONL file and in W&B's history; the run's own last
+    line shows it in 3 significant figures."""
+    import logging
+
+    from torchtune_ext.run.metrics import StepReporter
+
+    lr = 2.9e-06 * (1 + 1e-12)  # not a round number: any rounding on the way would show
+    cfg = OmegaConf.create({"output_dir": str(tmp_path), "metric_logger": {
+        "_component_": "torchtune.training.metric_logging.WandBLogger", "project": "test", "mode": "offline",
+        "log_dir": str(tmp_path / "logs")}})
+    logger = build_metric_logger(cfg, rank=0)
+    reporter = StepReporter(logger, CPU, total_steps=1, log_peak_memory=False)
+    reporter.start_step()
+    reporter.end_step(StepResult(loss=1.5, num_tokens=30, local_num_tokens=30, grad_norm=0.25), step=1, epoch=0,
+                      lr=lr, skipped_steps=0)
+    with caplog.at_level(logging.INFO):
+        reporter.close()
+    logger.close()
+    assert json.loads((tmp_path / "logs" / "metrics.jsonl").read_text())["lr"] == lr
+    assert [r["lr"] for r in read_offline_run(str(tmp_path / "logs"))["history"] if "lr" in r] == [lr]
+    assert "Last optimizer step 1: loss 1.5000, lr 2.9e-06, grad_norm 0.25, " in caplog.text
+
+
+def test_a_distributed_recipe_on_one_rank_logs_the_distributed_keys(tmp_path):
+    """So that a run resumed from 2 ranks on 1 keeps its keys (docs/metrics.md); a single-device run has none."""
+    r = StepResult(loss=1.5, num_tokens=300, local_num_tokens=300, grad_norm=2.0)
+    one = step_record(r, step=1, epoch=0, lr=1e-4, step_seconds=2.0, device=CPU, distributed=True)
+    assert one["dp_world_size"] == 1 and one["tokens_per_second_per_device"] == one["tokens_per_second"] == 150.0
+    alone = step_record(r, step=1, epoch=0, lr=1e-4, step_seconds=2.0, device=CPU)
+    assert "dp_world_size" not in alone and "tokens_per_second_per_device" not in alone
+    from torchtune_ext.run.metrics import StepReporter
+
+    reporter = StepReporter(MetricLogger(tmp_path / "metrics.jsonl"), CPU, total_steps=1, distributed=True)
+    reporter.start_step()
+    record = reporter.end_step(r, step=1, epoch=0, lr=1e-4, skipped_steps=0)
+    reporter.close()
+    assert record["dp_world_size"] == 1 and "tokens_per_second_per_device" in record
