@@ -134,6 +134,8 @@ def alternate(peers: Sequence[Peer], repeats: int, work_dir: Path, steps: int, t
                 f"other processes {record['foreign_cpu']:.2f} cores" + (f"  ERROR: {record['error']}"
                                                                          if record.get("error") else ""))
             runs.append(record)
+            # what is done so far, should the benchmark be stopped before it writes its results
+            (work_dir / "runs.partial.json").write_text(json.dumps(runs, default=str))
     return runs
 
 
