@@ -1,6 +1,6 @@
 """Knowledge distillation against its peers: upstream torchtune 0.6.1's recipe and TRL's GKDTrainer (issue 41).
 
-    python -m bench.distillation                 # 2 repeats x 3 steps per peer, alternated (about 40 min idle)
+    python -m bench.distillation    # 2 repeats x 3 steps per peer, alternated (8-23 min a run at load 3-13)
     python -m bench.distillation --repeats 3 --steps 4
     python -m bench.distillation --dry-run       # the commands
 

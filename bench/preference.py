@@ -1,6 +1,6 @@
 """Preference tuning (DPO) against its peers: upstream torchtune 0.6.1's recipe and TRL's DPOTrainer (issue 42).
 
-    python -m bench.preference                   # 2 repeats x 3 steps per peer, alternated (about 40 min idle)
+    python -m bench.preference      # 2 repeats x 3 steps per peer, alternated (10-25 min a 2-step run at load 3-10)
     python -m bench.preference --repeats 3 --steps 8   # 8 steps of 8 pairs: all 64 pairs once
     python -m bench.preference --dry-run         # the commands
 
