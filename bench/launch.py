@@ -250,7 +250,7 @@ def _peer_wait_then(probe: Probe, timed_global_sum: Callable) -> Callable:
     return global_sum
 
 
-def _install_upstream(probe: Probe) -> None:
+def install_upstream(probe: Probe) -> None:
     from torchtune.training import metric_logging
     from torchtune.training.checkpointing import _checkpoint_client, _checkpointer
 
@@ -411,7 +411,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     register_optimizer_step_post_hook(probe.optimizer_step)
-    (_install_upstream if args.upstream else _install_ours)(probe)
+    (install_upstream if args.upstream else _install_ours)(probe)
     if args.adapter_seed is not None:
         if not args.upstream:
             parser.error("--adapter-seed is for upstream's recipes (ours draw it from their seed)")

@@ -85,28 +85,24 @@ class LoadSampler:
 
 # -------------------------------------------------------------------- one run
 
-def execute(case: Case, profile: Profile, output_dir: Path, *, steps: Optional[int] = None) -> Dict[str, Any]:
-    """Run ``case`` once into ``output_dir`` (replaced) and return its raw record.
+def run_measured(cmd: List[str], output_dir: Path, timeout_s: float) -> Dict[str, Any]:
+    """Run ``cmd`` from the repository root, its output into ``output_dir/run.log``; what the machine did meanwhile.
 
-    The record holds the command, exit status, wall time, the load average
-    before/during/after, the CPU cores other processes used meanwhile
-    (``foreign_cpu``), and the parsed per-step numbers (:func:`read_run`).
+    Returns ``command``, ``returncode`` (``"timeout"`` past ``timeout_s``), ``wall_seconds``,
+    ``own_cpu_seconds``, the load average before, after and every 5 s during the run
+    (``load_samples``), the CPU cores other processes used (``foreign_cpu``) and the
+    host's steal (``steal_cpu``, cores).
     """
-    shutil.rmtree(output_dir, ignore_errors=True)
-    output_dir.mkdir(parents=True)
-    cmd = command(case, profile, output_dir, steps)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     env.setdefault("WANDB_MODE", "offline")
-    record: Dict[str, Any] = {"case": case.name, "group": case.group.name, "variant": case.variant,
-                              "command": cmd, "load_before": list(os.getloadavg())}
+    record: Dict[str, Any] = {"command": cmd, "load_before": list(os.getloadavg())}
     (busy0, steal0), own0, t0 = _cpu_seconds(), _children_cpu_seconds(), time.perf_counter()
     with open(output_dir / "run.log", "w") as log, LoadSampler() as sampler:
         log.write(" ".join(cmd) + "\n")
         log.flush()
         try:
-            proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                  timeout=profile.run_timeout_s)
+            proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
             record["returncode"] = proc.returncode
         except subprocess.TimeoutExpired:
             record["returncode"] = "timeout"
@@ -118,6 +114,20 @@ def execute(case: Case, profile: Profile, output_dir: Path, *, steps: Optional[i
         foreign_cpu=analysis.foreign_cpu_cores(busy1 - busy0, own, wall), steal_cpu=(steal1 - steal0) / wall,
         output_dir=str(output_dir),
     )
+    return record
+
+
+def execute(case: Case, profile: Profile, output_dir: Path, *, steps: Optional[int] = None) -> Dict[str, Any]:
+    """Run ``case`` once into ``output_dir`` (replaced) and return its raw record.
+
+    The record holds what :func:`run_measured` measures (command, exit status,
+    wall time, load, the CPU other processes used) and the parsed per-step
+    numbers (:func:`read_run`).
+    """
+    shutil.rmtree(output_dir, ignore_errors=True)
+    output_dir.mkdir(parents=True)
+    record: Dict[str, Any] = {"case": case.name, "group": case.group.name, "variant": case.variant}
+    record.update(run_measured(command(case, profile, output_dir, steps), output_dir, profile.run_timeout_s))
     if record["returncode"] == 0:
         try:
             record.update(read_run(case, output_dir, steps or profile.steps))
