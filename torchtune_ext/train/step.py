@@ -211,7 +211,8 @@ def plan_backward(backward: str, prepared: Sequence[Prepared], *, device: torch.
                   step: int = 0, rank_wait: Optional["RankWait"] = None) -> BackwardPlan:
     """The one place where a step's backward mode is decided.
 
-    * one micro-batch: its graph waits for no other; every mode is the same (once);
+    * one micro-batch: its graph waits for no other, so it is backpropagated right away in every mode (the
+      step had one backward: reported as once per step), without recomputing the output projection;
     * ``"per_micro_batch"``: per micro-batch, FSDP2's sync deferred to the last one;
     * ``"once_per_step"``: once; if ``memory_guard`` estimates that the device
       lacks the memory, one warning says so, once per run;
@@ -222,7 +223,7 @@ def plan_backward(backward: str, prepared: Sequence[Prepared], *, device: torch.
       and the step redone per micro-batch (:attr:`BackwardPlan.retry_per_micro_batch`).
     """
     if backward == "per_micro_batch" or len(prepared) <= 1:
-        return BackwardPlan(once=len(prepared) == 1)
+        return BackwardPlan(once=False)
     alone = not dp_is_active()
     if memory_guard is None or (backward == "once_per_step" and memory_guard.warned_once_per_step):
         return BackwardPlan(once=True, retry_per_micro_batch=alone and backward == "auto")
@@ -352,7 +353,7 @@ def forward_backward(
                          rank_wait=rank_wait)
     if not plan.once:
         _backward_per_micro_batch(model, objective, prepared, tally, count, defer_sync=plan.defer_sync)
-        return _with_mode(_totals(tally, dp_group, rank_wait), False)
+        return _with_mode(_totals(tally, dp_group, rank_wait), len(prepared) == 1)
     if not plan.retry_per_micro_batch:
         _backward_once(model, objective, prepared, tally, count)
         return _with_mode(_totals(tally, dp_group, rank_wait), True)

@@ -198,3 +198,14 @@ def test_optimizer_in_backward_says_once_that_it_runs_one_backward(cfg, caplog):
     with caplog.at_level(logging.INFO):
         validate(cfg)
     assert caplog.text.count("backward=per_micro_batch does not apply with optimizer_in_bwd=true") == 1
+
+
+@pytest.mark.parametrize("backward", ["auto", "once_per_step", "per_micro_batch"])
+def test_one_micro_batch_is_backpropagated_at_once_without_recomputing_its_output(backward):
+    """A step of one micro-batch has one backward in every mode: its graph waits for no other, so the loss
+    keeps its log-probabilities instead of recomputing the output projection in backward (an extra forward
+    of the output layer for nothing), and the step says it ran once per step."""
+    model, loss_fn = model_and_loss()
+    totals = forward_backward(model, loss_fn, micro_batches()[:1], device=CPU, backward=backward)
+    assert loss_fn.recomputed == [False]
+    assert totals.once_per_step is True
