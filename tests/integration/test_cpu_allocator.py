@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 from tests.support.helpers import REPO_ROOT
-from torchtune_ext.model import runtime
+from torchtune_ext.train import allocator as runtime
 
 pytestmark = pytest.mark.skipif(runtime._glibc() is None, reason="glibc's allocator only")
 
