@@ -32,6 +32,7 @@ import transformers
 from torch import nn
 
 from torchtune_ext.errors import ConfigError
+from torchtune_ext.model.hf.packing import packing_refusal
 from torchtune_ext.train.loss import OutputProjection
 
 log = logging.getLogger(__name__)
@@ -188,7 +189,8 @@ class TorchtuneCall:
     ``_ext_head`` (:class:`HeadTransform`), ``_ext_returns_hidden`` (after the
     hand-over), ``_ext_router`` (router load-balancing settings or None),
     ``_ext_router_aux`` (the last forward's router loss) and ``_ext_body``
-    (the name of the decoder stack that gives the final hidden states).
+    (the name of the decoder stack that gives the final hidden states), ``_ext_packing`` (why packed
+    rows are refused: :func:`torchtune_ext.model.hf.packing.packing_refusal`).
     """
 
     def forward(self, tokens: Optional[torch.Tensor] = None, mask: Any = None,
@@ -208,6 +210,10 @@ class TorchtuneCall:
             return super().forward(tokens, **kwargs) if tokens is not None else super().forward(**kwargs)
         if mask is not None:
             _check_documents(mask, input_pos, tokens)
+            if self._ext_packing is None:  # once: it reads the modules and the stack's source
+                self._ext_packing = packing_refusal(self, getattr(self, self._ext_body)) or ""
+            if self._ext_packing:  # the recipes refuse it before training (torchtune_ext.run.preflight)
+                raise ValueError(f"a packed micro-batch: {self._ext_packing}")
         extra = {"output_router_logits": True} if self._ext_router is not None else {}
         # No attention_mask: with one, transformers would build a plain causal mask and ignore the
         # documents of a packed row (transformers PR #46634); without, it finds them from the positions.
@@ -297,6 +303,7 @@ def adapt(model: nn.Module, *, output_router_logits: bool = False,
     model._ext_router = router
     model._ext_router_aux = None
     model._ext_body = _body(model)
+    model._ext_packing = None  # why packed rows are refused ("" when they are not), found at the first pack
     return model
 
 def _body(model: nn.Module) -> str:

@@ -1,0 +1,100 @@
+"""Families whose layers are not all attention (LFM2, Qwen3-Next, Falcon-H1) or whose attention and experts are
+unusual (DeepSeek-V3): packing, LoRA targets, the head, tensor parallelism.
+
+Tiny random models built from a config (tests/support/hf_hybrid.py): hidden 16, one or two layers.
+"""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tests.support.hf_hybrid import HYBRID, document_leak, hybrid_model, write_hybrid
+from tests.support.hf_tiny import tiny_config
+from torchtune_ext.errors import ConfigError
+from torchtune_ext.model.hf.packing import mask_without_positions, packing_refusal
+
+CPU = torch.device("cpu")
+LEAK = 1e-4  # above float noise: experts regroup their tokens when another document changes (DeepSeek-V3: 7e-7)
+
+
+def model_of(name):
+    if name in HYBRID:
+        return hybrid_model(name)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(tiny_config(name), dtype=torch.float32).eval()
+
+
+# ------------------------------------------------------------- packing
+@pytest.mark.parametrize("name, names", [("lfm2", "Lfm2ShortConv"), ("qwen3_next", "Qwen3NextGatedDeltaNet"),
+                                         ("falcon_h1", "FalconH1Mixer"), ("gpt_oss", "without the positions"),
+                                         ("deepseek_v3", None), ("qwen3", None)])
+def test_packing_is_refused_exactly_where_documents_see_each_other(name, names):
+    """In transformers, the second document of a packed row moves when the first changes for the models refused
+    (short convolution, Gated DeltaNet, Mamba2, gpt-oss's mask built without the positions), and not for the
+    others; the refusal names the layer type."""
+    model = model_of(name)
+    why = packing_refusal(model)
+    assert (document_leak(model) > LEAK) == (why is not None), (name, why)
+    if names is not None:
+        assert names in why
+
+
+def test_a_mask_call_without_positions_is_found_in_the_source():
+    """The source check itself: a stack whose mask builder gets the positions through a copied dict packs;
+    the same without them does not; a stack with no mask builder does not."""
+    class Good(torch.nn.Module):
+        def forward(self, position_ids, create_causal_mask=None):
+            kwargs = {"config": None, "position_ids": position_ids}
+            sliding = kwargs.copy()
+            return create_causal_mask(**kwargs), create_causal_mask(**sliding)
+
+    class Bad(torch.nn.Module):
+        def forward(self, position_ids, create_causal_mask=None):
+            kwargs = {"config": None}
+            return create_causal_mask(**kwargs)
+
+    class NoBuilder(torch.nn.Module):
+        def forward(self, attention_mask):
+            return attention_mask
+
+    assert mask_without_positions(Good()) is None
+    assert "without the positions" in mask_without_positions(Bad())
+    assert "without transformers' mask builders" in mask_without_positions(NoBuilder())
+
+
+@pytest.mark.parametrize("key", ["dataset.packed", "pack_micro_batches"])
+def test_the_recipes_refuse_packing_before_anything_loads(key, smollm2_assets, tmp_path):
+    """configs/hf/full_single_device.yaml with an LFM2 folder, packed either way: the start-up checks name the
+    key and the layer type; nothing is written."""
+    from omegaconf import OmegaConf
+
+    from tests.support.helpers import REPO_ROOT, copy_smollm2_tokenizer
+    from torchtune_ext.config import validate
+    from torchtune_ext.run.preflight import check_components
+
+    folder = write_hybrid("lfm2", tmp_path / "lfm2")
+    copy_smollm2_tokenizer(smollm2_assets, folder)
+    data = smollm2_assets / "data" / "alpaca_en_demo.json"
+    packing = ["dataset.packed=true"] if key == "dataset.packed" else [
+        "pack_micro_batches=true", "max_tokens_per_micro_batch=64"]
+    cfg = OmegaConf.merge(OmegaConf.load(REPO_ROOT / "configs/hf/full_single_device.yaml"), OmegaConf.from_dotlist(
+        [f"model_dir={folder}", f"output_dir={tmp_path / 'out'}", "tokenizer.max_seq_len=64",
+         f"dataset.data_files={data}", f"dataset_val.data_files={data}", *packing]))
+    with pytest.raises(ConfigError) as err:
+        check_components(validate(cfg), CPU)
+    assert err.value.key == key and "Lfm2ShortConv" in str(err.value) and f"{key}=false" in str(err.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_packed_micro_batch_is_refused_by_the_forward(tmp_path):
+    """Called outside the recipes with a packed micro-batch (a mask), the model refuses it too."""
+    from tests.support.hf_tiny import build_loaded
+
+    model = build_loaded(write_hybrid("lfm2", tmp_path / "lfm2"))
+    tokens = torch.randint(3, 100, (1, 8))
+    positions = torch.arange(4).repeat(2)[None]
+    mask = torch.zeros(1, 8, 8, dtype=torch.bool)
+    mask[:, :4, :4] = mask[:, 4:, 4:] = torch.tril(torch.ones(4, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="Lfm2ShortConv"):
+        model(tokens, mask=mask, input_pos=positions)
+    model(tokens)  # unpacked: trains as before
