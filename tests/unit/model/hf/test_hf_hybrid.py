@@ -98,3 +98,73 @@ def test_a_packed_micro_batch_is_refused_by_the_forward(tmp_path):
     with pytest.raises(ValueError, match="Lfm2ShortConv"):
         model(tokens, mask=mask, input_pos=positions)
     model(tokens)  # unpacked: trains as before
+
+
+# ------------------------------------------------------------- LoRA targets
+SHIPPED = dict(lora_attn_modules=["q_proj", "k_proj", "v_proj", "output_proj"], apply_lora_to_mlp=True)  # configs/hf
+
+
+def adapted(folder, **lora):
+    """The names of the modules PEFT gave an adapter (fused experts: the experts module, per parameter)."""
+    from peft.tuners.lora import LoraLayer
+
+    from torchtune_ext.model.hf import lora_causal_lm
+
+    with torch.device("meta"):
+        model = lora_causal_lm(folder, **lora)
+    names = [n.replace(".base_layer", "") for n, m in model.named_modules() if isinstance(m, LoraLayer)]
+    return {n for n in names if not n.endswith(".base_layer")}, model
+
+
+@pytest.fixture(scope="module")
+def hybrid_folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hybrid")
+    return {name: write_hybrid(name, root / name) for name in ("lfm2", "qwen3_next", "deepseek_v3")}
+
+
+def test_lora_adapts_attention_in_every_layer_and_leaves_convolutions_and_routers_alone(hybrid_folders, caplog):
+    """The shipped LoRA keys on LFM2 (attention in layer 1 only, behind a convolution layer) and Qwen3-Next
+    (a Gated DeltaNet layer first): every attention projection and MLP linear gets an adapter; the
+    convolution, the linear-attention projections and the routers (shared_expert_gate) do not; one log line
+    counts them."""
+    with caplog.at_level("INFO", logger="torchtune_ext.model.hf.lora"):
+        lfm2, _ = adapted(hybrid_folders["lfm2"], **SHIPPED)
+    assert {f"model.layers.1.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "out_proj")} <= lfm2
+    assert {f"model.layers.{i}.feed_forward.{w}" for i in (0, 1) for w in ("w1", "w2", "w3")} <= lfm2
+    assert not any(".conv." in n or n.endswith(".conv") for n in lfm2)
+    assert len(lfm2) == 4 + 6
+    line = [r.getMessage() for r in caplog.records if "LoRA adapters on" in r.getMessage()]
+    assert len(line) == 1 and "1 q_proj" in line[0] and "2 w1" in line[0] and "1 conv (mixer)" in line[0]
+
+    qwen, _ = adapted(hybrid_folders["qwen3_next"], **SHIPPED)
+    assert {f"model.layers.1.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")} <= qwen
+    assert not any("linear_attn" in n or "shared_expert_gate" in n or n.endswith("mlp.gate") for n in qwen)
+    assert {f"model.layers.{i}.mlp.experts" for i in (0, 1)} <= qwen  # fused experts of both layers
+
+
+def test_lora_finds_experts_behind_dense_layers_and_takes_mla_names(hybrid_folders):
+    """DeepSeek-V3: its first layer is dense, its experts are in the second (and get adapters); MLA has no
+    q_proj, and the refusal lists the names it has; those names can be given."""
+    folder = hybrid_folders["deepseek_v3"]
+    with pytest.raises(ConfigError) as err:
+        adapted(folder, **SHIPPED)
+    assert err.value.key == "model.lora_attn_modules" and "q_a_proj" in str(err.value) and "kv_b_proj" in str(err.value)
+    names, model = adapted(folder, lora_attn_modules=["q_b_proj", "kv_b_proj", "output_proj"], apply_lora_to_mlp=True)
+    assert {f"model.layers.{i}.self_attn.{p}" for i in (0, 1) for p in ("q_b_proj", "kv_b_proj", "o_proj")} <= names
+    assert "model.layers.1.mlp.experts" in names and model.peft_config["default"].target_parameters
+    assert not any(n.endswith("mlp.gate") for n in names)
+
+
+def test_the_config_takes_a_transformers_models_own_module_names():
+    """Validation passes MLA's names for a transformers builder and still refuses them for torchtune's."""
+    from omegaconf import OmegaConf
+
+    from torchtune_ext.config import lora_settings
+
+    hf = OmegaConf.create({"_component_": "torchtune_ext.model.hf.lora_causal_lm", "path": "/x",
+                           "lora_attn_modules": ["q_a_proj", "kv_b_proj"]})
+    assert lora_settings(hf).lora_attn_modules == ("q_a_proj", "kv_b_proj")
+    tt = OmegaConf.create({"_component_": "torchtune.models.llama3_2.lora_llama3_2_1b",
+                           "lora_attn_modules": ["q_a_proj"]})
+    with pytest.raises(ConfigError):
+        lora_settings(tt)
