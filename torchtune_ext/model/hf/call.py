@@ -14,7 +14,7 @@ collator's block-causal ``mask`` is only checked against the positions (see
 :class:`torchtune_ext.train.loss.SummedCrossEntropyLoss` apply the output
 projection to trainable rows only, with whatever the family's head does
 after its matmul (Gemma 2/3 ``final_logit_softcapping``, Cohere's
-``logit_scale``, Granite's ``logits_scaling``), read from the class's own
+``logit_scale``, Granite's ``logits_scaling``, Falcon-H1's ``lm_head_multiplier``), read from the class's own
 forward so that an unknown head transform is refused rather than dropped
 (:func:`head_transforms`).
 """
@@ -45,7 +45,7 @@ class HeadTransform:
 
     Attributes:
         softcap: ``cap * tanh(logits / cap)`` (Gemma 2/3 ``final_logit_softcapping``); None: off.
-        multiply: logits times this (Cohere ``logit_scale``); 1.0: off.
+        multiply: logits times this (Cohere ``logit_scale``, Falcon-H1 ``lm_head_multiplier``); 1.0: off.
         divide: logits divided by this (Granite ``logits_scaling``); 1.0: off.
     """
 
@@ -94,6 +94,27 @@ _MULTIPLY_LINE = "logits = logits * self.logit_scale"
 
 _DIVIDE_LINE = "logits = logits / self.config.logits_scaling"
 
+# a known lm_head call times a scalar attribute of the model (Falcon-H1's lm_head_multiplier)
+_SCALED_CALL = re.compile(r"^(.+\)) \* self\.([A-Za-z_][\w.]*)$")
+
+
+def _scalar(model: nn.Module, path: str, cls: type) -> float:
+    """The number ``model.<path>`` holds (a float, an int or a one-element tensor).
+
+    Raises:
+        ConfigError: (key ``model``) anything else (a per-token or per-vocabulary scale).
+    """
+    value: Any = model
+    for part in path.split("."):
+        value = getattr(value, part, None)
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_meta:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError("model", f"{cls.__name__} multiplies its logits by self.{path}, which is not one number "
+                          f"({type(value).__name__}); its loss would differ from the model's")
+    return float(value)
+
+
 _HEAD_END = re.compile(r"^(loss\b|if labels\b|return\b|aux_loss\b)")
 
 def head_transforms(model: nn.Module, cls: type) -> HeadTransform:
@@ -112,18 +133,24 @@ def head_transforms(model: nn.Module, cls: type) -> HeadTransform:
     lines = [line.split("#", 1)[0].strip() for line in source.splitlines()]
     lines = [line for line in lines if line]
     calls = [i for i, line in enumerate(lines) if "self.lm_head(" in line]
-    if len(calls) != 1 or lines[calls[0]] not in _LM_HEAD_CALLS:
+    scaled = _SCALED_CALL.match(lines[calls[0]]) if len(calls) == 1 else None
+    multiply = 1.0
+    if scaled:  # Falcon-H1: logits = self.lm_head(...) * self.model.lm_head_multiplier
+        multiply = _scalar(model, scaled.group(2), cls)
+    if len(calls) != 1 or (scaled.group(1) if scaled else lines[calls[0]]) not in _LM_HEAD_CALLS:
         found = lines[calls[0]] if calls else "no lm_head call"
         raise ConfigError("model", f"{cls.__name__} computes its logits in a way torchtune_ext.model.hf does not know "
-                          f"({found!r}); its output projection cannot be handed to the loss")
-    config, multiply, divide, softcap = model.config, 1.0, 1.0, None
+                          f"({found!r}); its output projection cannot be handed to the loss, so it cannot train "
+                          "with these recipes: train it with transformers' own Trainer, or ask for its head to be "
+                          "supported (torchtune_ext/model/hf/call.py, head_transforms)")
+    config, divide, softcap = model.config, 1.0, None
     for line in lines[calls[0] + 1:]:
         if _HEAD_END.match(line):
             break
         if line in _SOFTCAP_LINES:
             softcap = getattr(config.get_text_config(), "final_logit_softcapping", None)
         elif line == _MULTIPLY_LINE:
-            multiply = float(model.logit_scale)
+            multiply *= float(model.logit_scale)
         elif line == _DIVIDE_LINE:
             divide = float(config.logits_scaling)
         else:

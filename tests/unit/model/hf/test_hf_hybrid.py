@@ -168,3 +168,54 @@ def test_the_config_takes_a_transformers_models_own_module_names():
                            "lora_attn_modules": ["q_a_proj"]})
     with pytest.raises(ConfigError):
         lora_settings(tt)
+
+
+# ------------------------------------------------------------- the head
+def test_falcon_h1_logit_multiplier_is_applied_by_the_loss(tmp_path):
+    """Falcon-H1 multiplies lm_head's output by lm_head_multiplier (0.5 here): our per-token losses, applying
+    the output projection themselves, equal transformers' own, and differ without the multiplier."""
+    import torch.nn.functional as F
+
+    from tests.support.helpers import IGNORE
+    from tests.support.hf_tiny import build_loaded, our_token_losses
+    from torchtune_ext.train.loss import shift_labels
+
+    model = build_loaded(write_hybrid("falcon_h1", tmp_path / "falcon_h1"))
+    assert model._ext_head.multiply == 0.5
+    tokens = torch.randint(3, 100, (2, 10), generator=torch.Generator().manual_seed(0))
+    labels = tokens.clone()
+    labels[0, :3] = IGNORE
+    shifted = shift_labels(labels, IGNORE)
+    keep = shifted != IGNORE
+    with torch.no_grad():
+        reference = model(input_ids=tokens, labels=labels)
+        assert torch.equal(model(tokens), reference.logits)
+        expected = F.cross_entropy(reference.logits[keep].float(), shifted[keep], reduction="none")
+        hidden, ours, _ = our_token_losses(model, tokens, shifted, IGNORE)
+        unscaled = F.cross_entropy(model.lm_head(hidden[keep]).float(), shifted[keep], reduction="none")
+    assert (ours - expected).abs().max() <= 1e-5 * expected.abs().max()
+    assert (unscaled - expected).abs().max() > 1e-2
+
+
+def test_a_multiplier_that_is_not_one_number_is_refused():
+    from torchtune_ext.model.hf.call import _scalar
+
+    holder = torch.nn.Module()
+    holder.scale = torch.ones(4)
+    with pytest.raises(ConfigError, match="not one number"):
+        _scalar(holder, "scale", torch.nn.Module)
+    holder.scale = torch.tensor(0.25)
+    assert _scalar(holder, "scale", torch.nn.Module) == 0.25
+
+
+# ------------------------------------------------------------- tensor parallelism
+def test_a_tensor_parallel_plan_that_splits_nothing_is_refused(hybrid_folders):
+    """LFM2's own plan is its tied lm_head alone: tensor_parallel_dim=2 would split nothing."""
+    from torchtune_ext.model.hf import causal_lm
+    from torchtune_ext.parallel.hf_plan import check_tensor_parallel
+
+    with torch.device("meta"):
+        model = causal_lm(hybrid_folders["lfm2"], dtype="fp32")
+    with pytest.raises(ConfigError) as err:
+        check_tensor_parallel(model, None, 2, "torchtune_ext.model.hf.causal_lm")
+    assert err.value.key == "tensor_parallel_dim" and "split nothing" in str(err.value)
