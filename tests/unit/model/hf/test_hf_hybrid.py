@@ -219,3 +219,23 @@ def test_a_tensor_parallel_plan_that_splits_nothing_is_refused(hybrid_folders):
     with pytest.raises(ConfigError) as err:
         check_tensor_parallel(model, None, 2, "torchtune_ext.model.hf.causal_lm")
     assert err.value.key == "tensor_parallel_dim" and "split nothing" in str(err.value)
+
+
+# ------------------------------------------------------------- exactness of linear-attention layers
+# batch 4 == batch 1 x 4 within docs/models.md's bound for linear-attention layers:
+# tests/integration/test_hf_hybrid.py (20 s: the torch fallback of the Gated DeltaNet runs a Python loop per chunk).
+
+
+def test_padding_changes_no_output_of_a_gated_deltanet_model():
+    """A sample alone, padded past the next 64-token chunk, and batched with another gives the same logits: the
+    chunks of the linear attention start at fixed positions, so the padded length changes none of them."""
+    model = hybrid_model("qwen3_next")
+    g = torch.Generator().manual_seed(0)
+    sample = torch.randint(3, 100, (1, 70), generator=g)  # two chunks of 64
+    padded = torch.cat([sample, torch.zeros(1, 70, dtype=torch.long)], 1)  # three chunks
+    batch = torch.cat([padded, torch.randint(3, 100, (1, 140), generator=g)])
+    with torch.no_grad():
+        alone = model(input_ids=sample, use_cache=False).logits
+        for other in (padded, batch):
+            row = model(input_ids=other, use_cache=False).logits[:1, :70]
+            assert (row - alone).abs().max() <= 1e-5 * alone.abs().max()
