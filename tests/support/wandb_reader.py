@@ -50,13 +50,14 @@ def read_offline_run(wandb_dir: str) -> Dict[str, object]:
     Returns:
         {"history": [dict per logged row], "config": {key: value},
          "metrics": {name or glob: {"step_metric": str, "summary": [str]}} (``define_metric``),
-         "run_dir": the offline run's folder}
+         "name": the run's display name, "run_dir": the offline run's folder}
     """
     files = glob.glob(os.path.join(wandb_dir, "**", "offline-run-*", "run-*.wandb"), recursive=True)
     assert len(files) == 1, f"expected one offline run under {wandb_dir}, found {files}"
     history: List[dict] = []
     config: Dict[str, object] = {}
     metrics: Dict[str, dict] = {}
+    name = None
     # wandb's service process may still be writing when wandb.finish() returns on a
     # busy machine: wait (up to a minute) for the run's closing "exit" record.
     deadline = time.time() + 60
@@ -82,9 +83,11 @@ def read_offline_run(wandb_dir: str) -> Dict[str, object]:
         elif kind == "config":
             for item in record.config.update:
                 config[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
+        elif kind == "run" and record.run.display_name:
+            name = record.run.display_name
         elif kind == "metric":
             m = record.metric
             summary = [f.name for f, on in m.summary.ListFields() if on]
             metrics[m.name or m.glob_name] = {"step_metric": m.step_metric, "summary": summary}
-    return {"history": history, "config": config, "metrics": metrics,
+    return {"history": history, "config": config, "metrics": metrics, "name": name,
             "run_dir": os.path.dirname(files[0])}

@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 
 from torchtune_ext.config.checkers import boolean, import_component, positive_int, text_model
 from torchtune_ext.errors import ConfigError
+from torchtune_ext.moved import canonical
 
 LORA_ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "output_proj")
 
@@ -64,8 +65,10 @@ def lora_settings(cfg_model: Any, key: str = "model") -> LoRASettings:
         merged.setdefault(name, False)
         boolean(f"{key}.{name}", merged[name])
     modules = merged.get("lora_attn_modules")
+    # a transformers model also takes its own module names (MLA's q_a_proj), checked against the model when built
+    own_names = canonical(str(value["_component_"])).startswith("torchtune_ext.model.hf.")
     if (not isinstance(modules, list) or len(set(modules)) != len(modules)
-            or any(m not in LORA_ATTN_MODULES for m in modules)):
+            or any(not isinstance(m, str) or (m not in LORA_ATTN_MODULES and not own_names) for m in modules)):
         raise ConfigError(f"{key}.lora_attn_modules",
                           f"expected a list of distinct names from {', '.join(LORA_ATTN_MODULES)}, got {modules!r}")
     if not (modules or merged["apply_lora_to_mlp"] or merged["apply_lora_to_output"]):

@@ -181,6 +181,18 @@ def load_sharded_model_state(model: nn.Module, state_dict: dict, device: torch.d
         model.tie_weights()  # a no-op for untied models
     return keys
 
+def packing_refusal(model: nn.Module):
+    """Why packed rows would train ``model`` differently from its samples unpacked (one sentence), or None.
+
+    torchtune's decoders keep a pack's documents apart with the collator's
+    block-causal mask: None. transformers models:
+    :func:`torchtune_ext.model.hf.packing.packing_refusal` (token mixers
+    outside attention, a mask built without the positions).
+    """
+    if is_hf_model(model):
+        return _hf().packing_refusal(model, getattr(model, model._ext_body))
+    return None
+
 def adapter_params(model: nn.Module) -> dict:
     """The adapter parameters by name (LoRA A/B, DoRA magnitudes): what a LoRA recipe trains."""
     if is_hf_model(model):

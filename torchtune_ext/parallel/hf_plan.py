@@ -110,6 +110,11 @@ def _model_plan(model: nn.Module, model_component: str) -> Dict[str, str]:
         whole = {id(model.get_output_embeddings()), id(model.get_input_embeddings())}
         plan = {pattern: style for pattern, style in plan.items()
                 if not any(id(m) in whole for _n, m in tensor_parallel.modules_matching(model, pattern))}
+    if not plan:  # LFM2: its plan's one entry is its tied lm_head
+        raise ConfigError("tensor_parallel_dim", f"{cls}'s tensor-parallel plan in transformers splits only its output "
+                          "projection, which is tied to the token embedding and stays whole: tensor parallelism would "
+                          "split nothing; set tensor_parallel_dim=1 (FSDP2 alone shards it) or name a plan with "
+                          "tensor_parallel_plan._component_")
     unknown = {pattern: style for pattern, style in plan.items() if style not in STYLES}
     if unknown:
         pattern, style = next(iter(unknown.items()))
@@ -143,7 +148,8 @@ def check_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, ParallelSty
 
     Raises:
         ConfigError: (key ``tensor_parallel_dim``) a count it does not
-            divide; (key ``tensor_parallel_plan``) no plan, a style that
+            divide, a plan that splits nothing (LFM2: its one entry is its
+            tied output projection); (key ``tensor_parallel_plan``) no plan, a style that
             cannot be applied, a module that cannot be split.
     """
     if plan is not None:
@@ -172,6 +178,10 @@ def check_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, ParallelSty
                                   f"{kind.__name__} only; set tensor_parallel_dim=1")
             splits.append((f"{module.weight.shape[dim]} {'rows' if dim == 0 else 'columns'} of {name} "
                            f"('{style}')", module.weight.shape[dim]))
+    if not splits:  # every entry names modules the model does not have, or splits no weight
+        raise ConfigError("tensor_parallel_dim", f"the tensor-parallel plan of {model_component} splits nothing of "
+                          f"this model (its entries {', '.join(named)} match no module it splits); set "
+                          "tensor_parallel_dim=1 (FSDP2 alone shards it)")
     if any(style == "colwise" and "attn" in pattern for pattern, style in named.items()):
         config = model.config.get_text_config()  # q/k/v split as they are: each rank computes whole heads
         for key in ("num_attention_heads", "num_key_value_heads"):

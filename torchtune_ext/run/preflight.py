@@ -42,7 +42,7 @@ from torchtune_ext import ranks
 from torchtune_ext.config import PROFILER_COMPONENT, check_output_dir, enabled, resolve_component
 from torchtune_ext.data.tokenizer import check_tokenizer
 from torchtune_ext.errors import ConfigError, UserError
-from torchtune_ext.model.build import check_tensor_parallel, nf4_error, quantizes_base
+from torchtune_ext.model.build import check_tensor_parallel, nf4_error, packing_refusal, quantizes_base
 from torchtune_ext.parallel.tensor_parallel import tensor_parallel_plan
 from torchtune_ext.text import closest, short
 from torchtune_ext.train.loss import SummedCrossEntropyLoss, build_loss
@@ -119,6 +119,7 @@ def check_components(cfg: DictConfig, device: torch.device) -> None:
     model = _check_model(cfg.model, cfg.get("max_tokens_per_micro_batch") if cfg.get("pack_micro_batches") else None,
                          cfg.tokenizer.get("max_seq_len"))
     _check_tensor_parallel(cfg, model)
+    _check_packing(cfg, model)
     _check_optimizer(cfg, device)
     _check_metric_logger(cfg)
     _check_profiler(cfg)
@@ -251,6 +252,18 @@ def _check_tensor_parallel(cfg: DictConfig, model: torch.nn.Module) -> None:
         return
     plan = tensor_parallel_plan(cfg.get("tensor_parallel_plan"), cfg.model._component_)
     check_tensor_parallel(model, plan, tensor_parallel_dim, cfg.model._component_, ranks.world_size())
+
+
+def _check_packing(cfg: DictConfig, model: torch.nn.Module) -> None:
+    """Packed rows (``pack_micro_batches`` or a dataset's ``packed``) only for a model that keeps their
+    documents apart (:func:`torchtune_ext.model.build.packing_refusal`)."""
+    datasets = cfg.dataset if isinstance(cfg.dataset, ListConfig) else [cfg.dataset]
+    keys = ["pack_micro_batches"] if cfg.get("pack_micro_batches") else []
+    keys += [f"dataset{f'[{i}]' if isinstance(cfg.dataset, ListConfig) else ''}.packed"
+             for i, d in enumerate(datasets) if isinstance(d, DictConfig) and d.get("packed")]
+    why = packing_refusal(model) if keys else None
+    if why:
+        raise ConfigError(keys[0], f"packing is not possible for this model: {why}; set {keys[0]}=false")
 
 
 def _check_optimizer(cfg: DictConfig, device: torch.device) -> None:

@@ -91,6 +91,20 @@ def test_wandb_offline_run_receives_metrics_and_config(tmp_path):
     rows = [r for r in run["history"] if "loss" in r]
     assert [(r["global_step"], r["loss"], r["num_tokens"]) for r in rows] == [(1, 0.75, 10), (2, 0.5, 12)]
     assert run["config"]["batch_size"] == 3
+    assert run["name"] == tmp_path.name  # the output folder's name, not a random one
+
+
+def test_the_loss_chart_against_tokens_names_its_x_column_tokens_seen():
+    """W&B's line_series would call the x column ``step`` on the tokens chart; ours names it after the axis."""
+    from torchtune_ext.run.metrics.wandb_charts import loss_chart
+
+    records = [{"step": 1, "loss": 2.0, "tokens_seen": 10}, {"step": 2, "loss": 1.5, "tokens_seen": 25},
+               {"step": 2, "val_loss": 1.7, "tokens_seen": 25}]
+    chart = loss_chart(records, "tokens_seen")
+    assert chart.table.columns == ["tokens_seen", "curve", "loss"]
+    assert chart.table.data == [[10, "loss", 2.0], [25, "loss", 1.5], [25, "val_loss", 1.7]]
+    assert chart.spec.fields["step"] == "tokens_seen"
+    assert loss_chart([{"step": 1, "tokens_seen": 3}], "step") is None  # a skipped step only: no chart
 
 
 def test_log_lines_during_training_are_written_above_the_progress_bar(monkeypatch, tmp_path):
@@ -241,3 +255,28 @@ def test_a_distributed_recipe_on_one_rank_logs_the_distributed_keys(tmp_path):
     record = reporter.end_step(r, step=1, epoch=0, lr=1e-4, skipped_steps=0)
     reporter.close()
     assert record["dp_world_size"] == 1 and "tokens_per_second_per_device" in record
+
+
+def test_peak_memory_logged_is_the_largest_over_ranks(monkeypatch, tmp_path):
+    """On several ranks the step's peak_memory_gib is all-reduced with MAX (as tokens_per_second counts every
+    rank's tokens): here another rank is made to report 3.5 GiB, more than this process's peak."""
+    import torch.distributed as dist
+
+    from torchtune_ext import ranks
+    from torchtune_ext.run.metrics import StepReporter
+    from torchtune_ext.run.metrics import reporter as reporter_module
+
+    ops = []
+
+    def all_reduce(tensor, op):  # a second rank whose peak was 3.5 GiB
+        ops.append(op)
+        tensor.copy_(torch.maximum(tensor, torch.full_like(tensor, 3.5)) if op == dist.ReduceOp.MAX else tensor * 2)
+
+    monkeypatch.setattr(ranks, "several_processes", lambda group=None: True)
+    monkeypatch.setattr(reporter_module.dist, "all_reduce", all_reduce)
+    reporter = StepReporter(MetricLogger(tmp_path / "metrics.jsonl"), CPU, total_steps=1)
+    reporter.start_step()
+    record = reporter.end_step(StepResult(loss=1.5, num_tokens=30, local_num_tokens=30, grad_norm=0.25), step=1,
+                               epoch=0, lr=1e-3, skipped_steps=0)
+    reporter.close()
+    assert ops == [dist.ReduceOp.MAX] and record["peak_memory_gib"] == 3.5

@@ -5,7 +5,8 @@ component), :class:`HFCheckpointer` (the ``checkpointer`` component),
 :func:`check_model_folder` (config validation, before anything loads),
 :func:`load_state` (weights into an unsharded model), :func:`set_activation_checkpointing`
 and :func:`shard_model` (per decoder layer, from the model's ``_no_split_modules``);
-LoRA through PEFT: :func:`lora_causal_lm` and the functions of :mod:`torchtune_ext.model.hf.lora`.
+LoRA through PEFT: :func:`lora_causal_lm` and the functions of :mod:`torchtune_ext.model.hf.lora`;
+:func:`packing_refusal` (whether packed rows keep the model's documents apart).
 """
 
 from torchtune_ext.model.hf.build import (
@@ -26,7 +27,9 @@ from torchtune_ext.model.hf.lora import (
     lora_config,
     model_keys,
 )
+from torchtune_ext.model.hf.packing import packing_refusal
 
 __all__ = ["HFCheckpointer", "adapter_params", "causal_lm", "check_model_folder", "decoder_layer_classes",
            "initialize_adapters", "initialize_dora_magnitude", "load_state", "lora_causal_lm",
-           "lora_checkpoint_state", "lora_config", "model_keys", "set_activation_checkpointing", "shard_model"]
+           "lora_checkpoint_state", "lora_config", "model_keys", "packing_refusal", "set_activation_checkpointing",
+           "shard_model"]

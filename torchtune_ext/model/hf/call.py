@@ -14,7 +14,7 @@ collator's block-causal ``mask`` is only checked against the positions (see
 :class:`torchtune_ext.train.loss.SummedCrossEntropyLoss` apply the output
 projection to trainable rows only, with whatever the family's head does
 after its matmul (Gemma 2/3 ``final_logit_softcapping``, Cohere's
-``logit_scale``, Granite's ``logits_scaling``), read from the class's own
+``logit_scale``, Granite's ``logits_scaling``, Falcon-H1's ``lm_head_multiplier``), read from the class's own
 forward so that an unknown head transform is refused rather than dropped
 (:func:`head_transforms`).
 """
@@ -32,6 +32,7 @@ import transformers
 from torch import nn
 
 from torchtune_ext.errors import ConfigError
+from torchtune_ext.model.hf.packing import packing_refusal
 from torchtune_ext.train.loss import OutputProjection
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ class HeadTransform:
 
     Attributes:
         softcap: ``cap * tanh(logits / cap)`` (Gemma 2/3 ``final_logit_softcapping``); None: off.
-        multiply: logits times this (Cohere ``logit_scale``); 1.0: off.
+        multiply: logits times this (Cohere ``logit_scale``, Falcon-H1 ``lm_head_multiplier``); 1.0: off.
         divide: logits divided by this (Granite ``logits_scaling``); 1.0: off.
     """
 
@@ -93,6 +94,27 @@ _MULTIPLY_LINE = "logits = logits * self.logit_scale"
 
 _DIVIDE_LINE = "logits = logits / self.config.logits_scaling"
 
+# a known lm_head call times a scalar attribute of the model (Falcon-H1's lm_head_multiplier)
+_SCALED_CALL = re.compile(r"^(.+\)) \* self\.([A-Za-z_][\w.]*)$")
+
+
+def _scalar(model: nn.Module, path: str, cls: type) -> float:
+    """The number ``model.<path>`` holds (a float, an int or a one-element tensor).
+
+    Raises:
+        ConfigError: (key ``model``) anything else (a per-token or per-vocabulary scale).
+    """
+    value: Any = model
+    for part in path.split("."):
+        value = getattr(value, part, None)
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_meta:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError("model", f"{cls.__name__} multiplies its logits by self.{path}, which is not one number "
+                          f"({type(value).__name__}); its loss would differ from the model's")
+    return float(value)
+
+
 _HEAD_END = re.compile(r"^(loss\b|if labels\b|return\b|aux_loss\b)")
 
 def head_transforms(model: nn.Module, cls: type) -> HeadTransform:
@@ -111,18 +133,24 @@ def head_transforms(model: nn.Module, cls: type) -> HeadTransform:
     lines = [line.split("#", 1)[0].strip() for line in source.splitlines()]
     lines = [line for line in lines if line]
     calls = [i for i, line in enumerate(lines) if "self.lm_head(" in line]
-    if len(calls) != 1 or lines[calls[0]] not in _LM_HEAD_CALLS:
+    scaled = _SCALED_CALL.match(lines[calls[0]]) if len(calls) == 1 else None
+    multiply = 1.0
+    if scaled:  # Falcon-H1: logits = self.lm_head(...) * self.model.lm_head_multiplier
+        multiply = _scalar(model, scaled.group(2), cls)
+    if len(calls) != 1 or (scaled.group(1) if scaled else lines[calls[0]]) not in _LM_HEAD_CALLS:
         found = lines[calls[0]] if calls else "no lm_head call"
         raise ConfigError("model", f"{cls.__name__} computes its logits in a way torchtune_ext.model.hf does not know "
-                          f"({found!r}); its output projection cannot be handed to the loss")
-    config, multiply, divide, softcap = model.config, 1.0, 1.0, None
+                          f"({found!r}); its output projection cannot be handed to the loss, so it cannot train "
+                          "with these recipes: train it with transformers' own Trainer, or ask for its head to be "
+                          "supported (torchtune_ext/model/hf/call.py, head_transforms)")
+    config, divide, softcap = model.config, 1.0, None
     for line in lines[calls[0] + 1:]:
         if _HEAD_END.match(line):
             break
         if line in _SOFTCAP_LINES:
             softcap = getattr(config.get_text_config(), "final_logit_softcapping", None)
         elif line == _MULTIPLY_LINE:
-            multiply = float(model.logit_scale)
+            multiply *= float(model.logit_scale)
         elif line == _DIVIDE_LINE:
             divide = float(config.logits_scaling)
         else:
@@ -188,7 +216,8 @@ class TorchtuneCall:
     ``_ext_head`` (:class:`HeadTransform`), ``_ext_returns_hidden`` (after the
     hand-over), ``_ext_router`` (router load-balancing settings or None),
     ``_ext_router_aux`` (the last forward's router loss) and ``_ext_body``
-    (the name of the decoder stack that gives the final hidden states).
+    (the name of the decoder stack that gives the final hidden states), ``_ext_packing`` (why packed
+    rows are refused: :func:`torchtune_ext.model.hf.packing.packing_refusal`).
     """
 
     def forward(self, tokens: Optional[torch.Tensor] = None, mask: Any = None,
@@ -208,6 +237,10 @@ class TorchtuneCall:
             return super().forward(tokens, **kwargs) if tokens is not None else super().forward(**kwargs)
         if mask is not None:
             _check_documents(mask, input_pos, tokens)
+            if self._ext_packing is None:  # once: it reads the modules and the stack's source
+                self._ext_packing = packing_refusal(self, getattr(self, self._ext_body)) or ""
+            if self._ext_packing:  # the recipes refuse it before training (torchtune_ext.run.preflight)
+                raise ValueError(f"a packed micro-batch: {self._ext_packing}")
         extra = {"output_router_logits": True} if self._ext_router is not None else {}
         # No attention_mask: with one, transformers would build a plain causal mask and ignore the
         # documents of a packed row (transformers PR #46634); without, it finds them from the positions.
@@ -297,6 +330,7 @@ def adapt(model: nn.Module, *, output_router_logits: bool = False,
     model._ext_router = router
     model._ext_router_aux = None
     model._ext_body = _body(model)
+    model._ext_packing = None  # why packed rows are refused ("" when they are not), found at the first pack
     return model
 
 def _body(model: nn.Module) -> str:

@@ -4,15 +4,20 @@ torchtune's LoRA builders take ``lora_attn_modules`` (``q_proj``, ``k_proj``,
 ``v_proj``, ``output_proj``), ``apply_lora_to_mlp``, ``apply_lora_to_output``,
 ``lora_rank``, ``lora_alpha``, ``lora_dropout`` and ``use_dora``;
 :func:`lora_config` maps them onto a ``peft.LoraConfig`` with the module
-names of the model at hand, read off its first decoder layer:
+names of the model at hand, found in every decoder layer by
+:mod:`torchtune_ext.model.hf.lora_targets`:
 
 * attention: torchtune's names onto transformers' (``output_proj`` ->
-  ``o_proj``); a name the family does not have (fused ``qkv_proj``) is refused;
-* MLP: every ``nn.Linear`` of the layer outside its attention (dense
-  MLPs, shared experts) but the router; fused experts (3-D parameters, as
-  transformers 5 holds Qwen3-MoE's and gpt-oss's) through PEFT's
-  ``target_parameters``; routers get no adapter (they stay frozen);
+  ``o_proj`` or ``out_proj``), in the attention layers wherever they exist;
+  any other module name of the layers (MLA's ``q_a_proj``, ``kv_b_proj``) is
+  adapted as named; a name no layer has is refused, listing those it has;
+* MLP: every linear of the layers outside attention, token mixers and
+  routers (dense MLPs, shared experts); fused experts (3-D parameters, as
+  transformers 5 holds Qwen3-MoE's, gpt-oss's and DeepSeek-V3's) through
+  PEFT's ``target_parameters``; routers and convolutions get no adapter unless named;
 * output: ``lm_head``, refused when it is the token embedding (tied).
+
+One log line says how many modules of each name got an adapter.
 
 The scale is ``lora_alpha / lora_rank`` in both libraries. PEFT injects the
 adapters in place (:func:`lora_causal_lm`), so the model keeps torchtune's
@@ -21,9 +26,10 @@ weights of an adapted layer move under ``base_layer`` in the state dict
 (:func:`model_keys` renames a checkpoint's keys to match).
 """
 
+import logging
 import warnings
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Sequence
 
 import torch
 from peft import LoraConfig, get_peft_model, inject_adapter_in_model
@@ -33,10 +39,11 @@ from transformers import AutoModelForCausalLM
 
 from torchtune_ext.errors import ConfigError
 from torchtune_ext.model.hf.build import causal_lm, decoder_layer_classes
+from torchtune_ext.model.hf.lora_targets import lora_targets
+
+log = logging.getLogger(__name__)
 
 ADAPTER = "default"  # PEFT's adapter name
-# torchtune's attention projection names -> the names transformers' families give them
-_ATTENTION = {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "output_proj": "o_proj"}
 
 
 @contextmanager
@@ -44,72 +51,33 @@ def _quiet_expert_adapters() -> Iterator[None]:
     """PEFT warns "Unsupported layer type ... proceed at your own risk" for a module whose parameters it
     adapts through target_parameters (fused experts): that is the documented use, tested here."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r"Unsupported layer type .*Experts", category=UserWarning)
+        warnings.filterwarnings("ignore", message=r"Unsupported layer type .*(Experts|Moe)", category=UserWarning)
         yield
-
-
-def _first_layer(model: nn.Module) -> nn.Module:
-    classes = decoder_layer_classes(model)
-    return next(m for m in model.modules() if isinstance(m, classes))
-
-
-def _num_experts(config: Any) -> Optional[int]:
-    for name in ("num_experts", "num_local_experts", "n_routed_experts"):
-        if isinstance(getattr(config, name, None), int):
-            return getattr(config, name)
-    return None
 
 
 def lora_config(model: nn.Module, *, lora_attn_modules: Sequence[str], apply_lora_to_mlp: bool = False,
                 apply_lora_to_output: bool = False, lora_rank: int = 8, lora_alpha: float = 16,
                 lora_dropout: float = 0.0, use_dora: bool = False) -> LoraConfig:
-    """torchtune's LoRA keys as a ``peft.LoraConfig`` for ``model`` (see the module docstring).
+    """torchtune's LoRA keys as a ``peft.LoraConfig`` for ``model`` (targets:
+    :func:`torchtune_ext.model.hf.lora_targets.lora_targets`, over every decoder layer).
 
     Raises:
-        ConfigError: (``model.lora_attn_modules``) a name torchtune does not
-            have or the model lacks; (``model.apply_lora_to_output``) a tied
+        ConfigError: (``model.lora_attn_modules``) a name no decoder layer has
+            (the message lists those it has); (``model.apply_lora_to_output``) a tied
             output projection; (``model.use_dora`` / ``model.lora_dropout``)
             DoRA or dropout on fused experts, which PEFT's parameter adapters lack.
     """
-    layer = _first_layer(model)
-    linears = {name: module for name, module in layer.named_modules() if isinstance(module, nn.Linear)}
-    attention = {name.rsplit(".", 1)[-1] for name in linears if "attn" in name or "attention" in name}
-    targets: List[str] = []
-    for name in lora_attn_modules:
-        if name not in _ATTENTION:
-            raise ConfigError("model.lora_attn_modules", f"expected names among {', '.join(_ATTENTION)}, got {name!r}")
-        if _ATTENTION[name] not in attention:
-            raise ConfigError("model.lora_attn_modules", f"{type(model).__name__} has no {_ATTENTION[name]} "
-                              f"projection for {name} (its attention has {', '.join(sorted(attention))})")
-        targets.append(_ATTENTION[name])
-    parameters: List[str] = []
-    if apply_lora_to_mlp:
-        experts = _num_experts(model.config)
-        for name, module in linears.items():
-            in_attention = "attn" in name or "attention" in name
-            router = experts is not None and module.out_features == experts
-            if not in_attention and not router:
-                targets.append(name.rsplit(".", 1)[-1])
-        parameters = sorted(f"{module_name}.{param_name}" if module_name else param_name
-                            for module_name, module in layer.named_modules()
-                            for param_name, param in module.named_parameters(recurse=False) if param.dim() == 3)
-        if parameters and use_dora:
-            raise ConfigError("model.use_dora", f"{type(model).__name__}'s experts are fused parameters, which "
-                              "PEFT adapts with LoRA only; set model.use_dora=false or model.apply_lora_to_mlp=false")
-        if parameters and lora_dropout:
-            raise ConfigError("model.lora_dropout", f"{type(model).__name__}'s experts are fused parameters, whose "
-                              "PEFT adapters have no dropout; set model.lora_dropout=0.0")
-    if apply_lora_to_output:
-        head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
-        if head is None or head.weight is embedding.weight:
-            raise ConfigError("model.apply_lora_to_output", "the output projection of this model is its token "
-                              "embedding (tied weights); set model.apply_lora_to_output=false")
-        targets.append("lm_head")
-    if not targets and not parameters:
-        raise ConfigError("model.lora_attn_modules", "no module to adapt: name attention projections or set "
-                          "model.apply_lora_to_mlp=true")
+    targets = lora_targets(model, decoder_layer_classes(model), lora_attn_modules=lora_attn_modules,
+                           apply_lora_to_mlp=apply_lora_to_mlp, apply_lora_to_output=apply_lora_to_output)
+    if targets.parameters and use_dora:
+        raise ConfigError("model.use_dora", f"{type(model).__name__}'s experts are fused parameters, which "
+                          "PEFT adapts with LoRA only; set model.use_dora=false or model.apply_lora_to_mlp=false")
+    if targets.parameters and lora_dropout:
+        raise ConfigError("model.lora_dropout", f"{type(model).__name__}'s experts are fused parameters, whose "
+                          "PEFT adapters have no dropout; set model.lora_dropout=0.0")
+    log.info("%s: %s", type(model).__name__, targets.describe())
     return LoraConfig(r=lora_rank, lora_alpha=lora_alpha, lora_dropout=lora_dropout, use_dora=use_dora,
-                      target_modules=sorted(set(targets)), target_parameters=parameters or None,
+                      target_modules=targets.modules, target_parameters=targets.parameters or None,
                       bias="none", task_type="CAUSAL_LM")
 
 

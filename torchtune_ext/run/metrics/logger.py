@@ -163,7 +163,8 @@ def build_metric_logger(cfg: DictConfig, rank: int, resume: bool = False) -> Met
     instantiated only on rank 0 (so only one W&B run exists per job); a null
     ``metric_logger`` means JSONL only. For W&B, the run id is kept in
     ``<output_dir>/logs/wandb_run_id`` and a resumed training run continues
-    the same W&B run (``resume="allow"``).
+    the same W&B run (``resume="allow"``); the run is named after the output
+    folder unless ``metric_logger.name`` says otherwise.
 
     Under torchrun every rank calls it (a collective): when rank 0's W&B run
     cannot start, every rank raises, so none goes on to train alone.
@@ -180,6 +181,9 @@ def build_metric_logger(cfg: DictConfig, rank: int, resume: bool = False) -> Met
         id_file = logs / "wandb_run_id"
         if is_wandb and resume and id_file.is_file():
             kwargs = {"id": id_file.read_text().strip(), "resume": "allow"}
+        if is_wandb and cfg.metric_logger.get("name") is None:
+            # W&B would pick a random name: the output folder's is the one the user looks for
+            kwargs["name"] = Path(cfg.output_dir).resolve().name
         try:
             backend = tt_config.instantiate(cfg.metric_logger, **kwargs)
         except Exception as err:

@@ -4,8 +4,10 @@ import contextlib
 from typing import Any, Dict, Optional
 
 import torch
+import torch.distributed as dist
 from torchtune import utils
 
+from torchtune_ext import ranks
 from torchtune_ext.run.metrics import flops as flops_lib
 from torchtune_ext.run.metrics.flops import ModelFlops
 from torchtune_ext.run.metrics.logger import MetricLogger
@@ -15,6 +17,13 @@ from torchtune_ext.run.metrics.timer import StepTimer
 from torchtune_ext.train.step import StepResult
 
 log = utils.get_logger("INFO")  # torchtune's: the recipes show its INFO lines
+
+
+def largest_over_ranks(value: float, device: torch.device) -> float:
+    """The largest ``value`` of every rank (a collective: every rank calls it); a tensor on ``device`` (NCCL)."""
+    tensor = torch.tensor([value], dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return float(tensor.item())
 
 
 class StepReporter:
@@ -82,6 +91,9 @@ class StepReporter:
                              tp_world_size=self._tp_world_size, skipped_steps=skipped_steps,
                              tokens_seen=tokens_seen, data=data, flops=self._flops, peak_tflops=self._peak,
                              log_peak_memory=self._log_peak_memory, distributed=self._distributed)
+        if "peak_memory_gib" in record and ranks.several_processes():
+            # the largest rank's, as tokens_per_second counts every rank's tokens (rank 0 logs)
+            record["peak_memory_gib"] = largest_over_ranks(record["peak_memory_gib"], self._device)
         if self._profiler is not None:
             self._profiler.step()
         if step % self._log_every == 0:

@@ -27,22 +27,37 @@ def loss_curves(records: Iterable[Mapping[str, Any]], x: str) -> Dict[str, Tuple
     return curves
 
 
+def loss_chart(records: Iterable[Mapping[str, Any]], x: str):
+    """The training and validation loss against ``x`` as one W&B custom chart (W&B's line-series
+    panel), or None when no record has a loss.
+
+    The chart's table names its x column ``x`` (``wandb.plot.line_series`` would call it ``step``
+    whatever the axis), with columns ``[x, "curve", "loss"]``.
+    """
+    import wandb
+    from wandb.plot.custom_chart import plot_table
+
+    curves = {k: v for k, v in loss_curves(records, x).items() if v[0]}
+    if not curves:
+        return None
+    table = wandb.Table(columns=[x, "curve", "loss"],
+                        data=[[xv, key, yv] for key, (xs, ys) in curves.items() for xv, yv in zip(xs, ys)])
+    return plot_table(vega_spec_name="wandb/lineseries/v0", data_table=table,
+                      fields={"step": x, "lineKey": "curve", "lineVal": "loss"},
+                      string_fields={"title": f"training and validation loss vs {x}", "xname": x})
+
+
 def log_wandb_loss_charts(records: Iterable[Mapping[str, Any]]) -> None:
     """Log, to the active W&B run, the training and validation loss on one chart
     against ``step`` and one against ``tokens_seen`` (``loss_vs_step``,
-    ``loss_vs_tokens_seen``; W&B's own panels show one metric each)."""
+    ``loss_vs_tokens_seen``: :func:`loss_chart`; W&B's own panels show one metric each)."""
     import wandb
 
     if wandb.run is None:
         return
     records = list(records)
-    charts = {}
-    for x in ("step", "tokens_seen"):
-        curves = {k: v for k, v in loss_curves(records, x).items() if v[0]}
-        if curves:
-            charts[f"loss_vs_{x}"] = wandb.plot.line_series(
-                xs=[xs for xs, _ in curves.values()], ys=[ys for _, ys in curves.values()],
-                keys=list(curves), title=f"training and validation loss vs {x}", xname=x)
+    charts = {f"loss_vs_{x}": chart for x in ("step", "tokens_seen")
+              if (chart := loss_chart(records, x)) is not None}
     if charts:
         wandb.log(charts)
 
