@@ -39,7 +39,14 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torchtune.models import convert_weights
 
-from torchtune_ext.checkpoint.discovery import MANIFEST, RECIPE_STATE, list_checkpoints
+from torchtune_ext.checkpoint.discovery import (
+    MANIFEST,
+    RECIPE_STATE,
+    STAGING,
+    checkpoint_problem,
+    list_checkpoints,
+    step_of,
+)
 from torchtune_ext.checkpoint.files import make_readable
 from torchtune_ext.checkpoint.lora_export import adapter_config, arrange_lora_folder
 from torchtune_ext.checkpoint.resume_state import load_recipe_state
@@ -283,7 +290,12 @@ def export_step(step_folder: Path, out: Path,
     if partial.exists() and not (partial / EXPORT_MARKER).is_file():
         raise UserError(f"'{partial}' exists and was not made by this export (no {EXPORT_MARKER} in it): the export "
                         "stages its files there; move or delete it, or give another OUT")
-    state = load_recipe_state(step_folder)  # verifies the manifest first
+    _check_intact(step_folder)
+    try:
+        state = load_recipe_state(step_folder)
+    except UserError as err:  # its message is a resume's: name the export's way out instead
+        raise UserError(f"'{step_folder / RECIPE_STATE}' cannot be read: nothing exported. "
+                        f"{_intact_others(step_folder)}") from err
     config = state.config
     if not config or "checkpointer" not in config:
         raise UserError(f"'{step_folder / RECIPE_STATE}' holds no run config: it cannot say which base checkpoint "
@@ -310,6 +322,38 @@ def export_step(step_folder: Path, out: Path,
         out.rmdir()  # empty: checked above
     os.replace(partial, out)
     return written
+
+
+def _check_intact(step_folder: Path) -> None:
+    """Refuse a checkpoint that does not match its manifest, content included, before anything is read from it.
+
+    The SHA-256 of every file is compared where the manifest records them (as a resume and ``evaluate`` do):
+    a shard changed at the same size would otherwise export as damaged weights.
+
+    Raises:
+        UserError: an unfinished save's staging folder, or a file missing, of another size or content.
+    """
+    if step_folder.name == STAGING:
+        raise UserError(f"'{step_folder}' is the staging folder of a save that did not finish, not a checkpoint: "
+                        f"nothing exported. {_intact_others(step_folder)}")
+    problem = checkpoint_problem(step_folder, content=True)
+    if problem:
+        raise UserError(f"{problem}: nothing exported. {_intact_others(step_folder)}")
+
+
+def _intact_others(step_folder: Path) -> str:
+    """A sentence naming the run's intact sharded checkpoints (content checked), the ones that can be exported."""
+    try:
+        others = [p for p in list_checkpoints(str(step_folder.parent)) if p != step_folder and is_sharded(p)]
+    except UserError:
+        return "The other checkpoints of this run cannot be listed."
+    intact = [p for p in others if checkpoint_problem(p, content=True) is None]
+    if step_folder.name[len("step_"):].isdigit():  # the earlier ones: what the run had before this step
+        intact = [p for p in intact if step_of(p) < step_of(step_folder)] or intact
+    if not intact:
+        return "No other sharded checkpoint of this run is intact."
+    return (f"Intact sharded checkpoints of this run: {', '.join(p.name for p in intact)}; export one of them, "
+            f"e.g. '{intact[-1]}'")
 
 
 def _not_sharded(step_folder: Path) -> str:

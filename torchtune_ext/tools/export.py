@@ -5,7 +5,8 @@ process, one output file at a time
 (:func:`torchtune_ext.checkpoint.hf_export.export_step`), from any working
 directory (the run's relative paths are taken from the one training ran in).
 Bad input (a step that does not exist or a run folder: the checkpoints there
-are named; not a sharded checkpoint, a damaged one, ``OUT`` not empty,
+are named; not a sharded checkpoint, a damaged one (sizes and SHA-256, as a resume checks; the
+intact checkpoints to export instead are named), ``OUT`` not empty,
 ``OUT.partial`` a folder the export did not make): one line, exit status 2,
 nothing written.
 """
