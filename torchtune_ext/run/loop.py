@@ -40,6 +40,7 @@ from torchtune_ext.checkpoint import (
     set_rng_state,
 )
 from torchtune_ext.checkpoint.state_dict import gather_full_model_state_dict
+from torchtune_ext.config.agreement import check_same_config_on_every_rank
 from torchtune_ext.data.step_loader import build_step_loader
 from torchtune_ext.data.tokenizer import build_tokenizer, training_chat_template
 from torchtune_ext.run.control.preemption import GracefulStop
@@ -86,6 +87,7 @@ class TrainingRun:
         self.dtype = training.get_dtype(cfg.dtype, device=self.device)
         self.rank, self.processes = (
             parallel.init_process_group(self.device, cfg.fsdp_cpu_offload) if distributed else (0, 1))
+        check_same_config_on_every_rank(cfg)  # a node's stale config or override: refused before any collective
         self.parallelism = self._build_parallelism() if distributed else None
         # Data-parallel ranks: the ranks of a tensor-parallel group share one share of the samples.
         self.world_size = self.parallelism.dp_size if distributed else 1
