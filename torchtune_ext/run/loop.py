@@ -206,7 +206,8 @@ class TrainingRun:
                              distributed=self.distributed, available_memory=available_memory_bytes)
 
         self._health = StepHealth(cfg.output_dir, skip_nonfinite_steps=cfg.skip_nonfinite_steps,
-                                  loss_spike_nats=cfg.loss_spike_nats, start_step=self.progress.step)
+                                  loss_spike_nats=cfg.loss_spike_nats, start_step=self.progress.step,
+                                  history=self.progress.healthy_losses)  # saved with each checkpoint
         self.metric_logger = build_metric_logger(cfg, rank=self.rank, resume=bool(self._resumed))
         self.metric_logger.log_config(cfg)
         self._validator = Validator(cfg, self.val_data, model, self.objective, self.metric_logger, self.device,

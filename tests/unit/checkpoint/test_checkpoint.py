@@ -60,6 +60,21 @@ def test_save_writes_manifest_and_state(manager):
     assert not manager.staging.exists()
 
 
+def test_the_loss_spike_history_is_saved_and_comes_back_with_the_run(manager):
+    """A resumed run's health check continues from the checkpoint's healthy losses (train/health.py)."""
+    progress = Progress(step=3, seed=3, healthy_losses=[10.5, 10.7, 10.6])
+    path = manager.save({"model": {"w": b"weights"}}, progress, {})
+    assert load_recipe_state(path).progress.healthy_losses == [10.5, 10.7, 10.6]
+    state = torch.load(path / "recipe_state.pt", weights_only=False)
+    del state["progress"]["healthy_losses"]  # a checkpoint of an earlier version: no history, as before
+    torch.save(state, path / "recipe_state.pt")
+    manifest = json.loads((path / MANIFEST).read_text())
+    manifest["files"]["recipe_state.pt"] = (path / "recipe_state.pt").stat().st_size
+    manifest.pop("sha256", None)
+    (path / MANIFEST).write_text(json.dumps(manifest))
+    assert load_recipe_state(path).progress.healthy_losses == []
+
+
 def test_a_checkpoint_of_an_earlier_version_keeps_its_sample_order(manager):
     """Before data_seed was saved the epochs' order followed the run's seed: a resume must keep that order
     (another one would train some samples of the epoch in progress twice and others never)."""
