@@ -49,7 +49,7 @@ from torchtune_ext.run.control.run_lock import OutputDirLock, check_not_in_use
 from torchtune_ext.run.diagnostics import build_profiler, set_log_level
 from torchtune_ext.run.evaluate import Validator, build_val_loader
 from torchtune_ext.run.metrics import StepReporter, build_metric_logger
-from torchtune_ext.run.preflight import check_components, model_max_seq_len
+from torchtune_ext.run.preflight import check_components, model_max_seq_len, model_vocab_size
 from torchtune_ext.run.resume import check_resume, check_resume_point, restore_training
 from torchtune_ext.train.allocator import keep_freed_cpu_memory
 from torchtune_ext.train.loss import build_loss
@@ -159,7 +159,8 @@ class TrainingRun:
         # what each step optimizes and validation measures; a recipe with another objective (distillation,
         # preference pairs) replaces it before setup_training
         self.objective: Objective = TokenObjective(self.loss_fn)
-        dp = dict(dp_rank=self.dp_rank, dp_world_size=self.world_size)  # a tensor-parallel group: the same samples
+        dp = dict(dp_rank=self.dp_rank, dp_world_size=self.world_size,  # a tensor-parallel group: the same samples
+                  model_vocab_size=model_vocab_size(cfg.model))  # a token id past the embedding: refused
         self.data = build_step_loader(cfg, self.tokenizer, seed=self.progress.data_seed,
                                       ignore_index=self.loss_fn.ignore_index,
                                       model_max_seq_len=model_max_seq_len(cfg.model), **dp)

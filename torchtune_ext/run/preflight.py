@@ -172,6 +172,7 @@ def _meta_model(cfg_model: DictConfig) -> torch.nn.Module:
 
 
 _MODEL_LIMITS: Dict[str, Optional[int]] = {}
+_MODEL_VOCAB: Dict[str, Optional[int]] = {}
 
 
 def model_max_seq_len(cfg_model: DictConfig) -> Optional[int]:
@@ -193,6 +194,28 @@ def model_max_seq_len(cfg_model: DictConfig) -> Optional[int]:
     return _MODEL_LIMITS[key]
 
 
+def model_vocab_size(cfg_model: DictConfig) -> Optional[int]:
+    """The rows of the token embedding of the model a ``model`` config builds (its vocabulary size).
+
+    Read off the model built on the meta device (a builder's default counts), remembered per config.
+
+    Returns:
+        int, or None if the model has no embedding it names (or cannot be built).
+    """
+    model_max_seq_len(cfg_model)  # builds it once, for both
+    return _MODEL_VOCAB.get(OmegaConf.to_yaml(cfg_model, resolve=True))
+
+
+def _embedding_rows(model: torch.nn.Module) -> Optional[int]:
+    """torchtune's ``tok_embeddings``, or a transformers model's input embeddings: its rows."""
+    embedding = getattr(model, "tok_embeddings", None)
+    for owner in (model, getattr(model, "model", None)):
+        if embedding is None and callable(getattr(owner, "get_input_embeddings", None)):
+            embedding = owner.get_input_embeddings()
+    rows = getattr(embedding, "num_embeddings", None)
+    return rows if isinstance(rows, int) else None
+
+
 def _remember_limit(cfg_model: DictConfig, model: torch.nn.Module) -> Optional[int]:
     limit = getattr(model, "max_seq_len", None)
     if limit is None:  # a transformers model: its config's position limit
@@ -200,6 +223,7 @@ def _remember_limit(cfg_model: DictConfig, model: torch.nn.Module) -> Optional[i
         limit = getattr(config, "max_position_embeddings", None) if config is not None else None
     limit = limit if isinstance(limit, int) and not isinstance(limit, bool) else None
     _MODEL_LIMITS[OmegaConf.to_yaml(cfg_model, resolve=True)] = limit
+    _MODEL_VOCAB[OmegaConf.to_yaml(cfg_model, resolve=True)] = _embedding_rows(model)
     return limit
 
 
