@@ -173,3 +173,38 @@ def test_an_unfinished_saves_staging_folder_names_the_intact_checkpoints(run, tm
     assert "staging folder of a save that did not finish" in err
     assert "Intact sharded checkpoints of this run: step_1" in err
     assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("failure", ["full", "read-only"])
+def test_a_write_that_fails_is_one_line_exit_74_and_the_partial_output_is_removed(run, tmp_path, capsys,
+                                                                                monkeypatch, failure):
+    """safetensors reports a full disk in its own words (no OSError); a read-only folder fails the first mkdir."""
+    import errno
+    from pathlib import Path
+
+    from torchtune_ext.checkpoint import hf_export
+
+    root, _ = run
+    if failure == "full":
+        def save_file(*args, **kwargs):
+            raise RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+        monkeypatch.setattr(hf_export, "save_file", save_file)
+    else:
+        mkdir = Path.mkdir
+
+        def read_only(self, *args, **kwargs):
+            if self.name == "hf.partial":
+                raise OSError(errno.EROFS, "Read-only file system", str(self))
+            return mkdir(self, *args, **kwargs)
+
+        monkeypatch.setattr(Path, "mkdir", read_only)
+    code, err = _export(root / "out" / "step_2", tmp_path / "hf", capsys)
+    assert code == 74 and err.count("\n") == 1 and "Traceback" not in err
+    assert f"error: writing the export to '{tmp_path / 'hf'}' failed (" in err
+    assert "the partial 'hf.partial' was removed" in err
+    if failure == "full":
+        assert "the disk is full (" in err and "free some space, or give an OUT on another disk" in err
+    else:
+        assert "Read-only file system" in err and f"give an OUT in a folder you can write (not '{tmp_path}')" in err
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "hf.partial").exists()
