@@ -23,6 +23,7 @@ pass); for packed datasets the packs are read, not re-tokenized.
 """
 
 import codecs
+import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -116,6 +117,36 @@ def first_invalid_utf8(path: str) -> Optional[str]:
     return None
 
 
+def first_invalid_json(path: str) -> Optional[str]:
+    """Where a local JSON or JSON Lines file first fails to parse (``line L, column C: what``), or None.
+
+    The datasets library names an Arrow block's row and a pandas offset instead ("row 97", "position
+    1682"), which lead nowhere in the file. A file that parses as one document is valid; otherwise, when
+    it is one record per line (its first document is followed by "Extra data"), each line is parsed
+    alone, and the first that fails is named with its line of the file and its column.
+    """
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return None
+    try:
+        json.loads(text)
+        return None
+    except json.JSONDecodeError as whole:
+        if whole.msg != "Extra data":  # one document, broken at this place (or the first line of a JSONL file)
+            return f"line {whole.lineno}, column {whole.colno}: {whole.msg}"
+    for number, line in enumerate(text.splitlines(), start=1):
+        if line.strip():
+            try:
+                json.loads(line)
+            except json.JSONDecodeError as err:
+                return f"line {number}, column {err.colno}: {err.msg}"
+    return None
+
+
 def explain_unreadable(err: BaseException, key: str, cfg_dataset: Any, index: Optional[int] = None,
                        columns: Optional[Sequence[str]] = None) -> ConfigError:
     """A :class:`ConfigError` for a record (or a whole file) the dataset could not read."""
@@ -142,6 +173,13 @@ def explain_unreadable(err: BaseException, key: str, cfg_dataset: Any, index: Op
             if bad:
                 return ConfigError(key, f"'{path}' is not valid UTF-8 ({bad}); convert it to UTF-8 "
                                    f"(e.g. iconv -f latin1 -t utf-8)")
+    files = cfg_dataset.get("data_files")
+    for path in ([files] if isinstance(files, str) else list(files or [])):
+        if str(path).endswith((".json", ".jsonl")) or cfg_dataset.get("source") == "json":
+            bad = first_invalid_json(str(path))
+            if bad:
+                return ConfigError(key, f"'{path}' is not valid JSON at {bad}; fix that line (JSON Lines: one "
+                                   "complete record per line)")
     return ConfigError(key, f"could not load {where}: {_short_chain(chain) or type(err).__name__}")
 
 
