@@ -436,6 +436,22 @@ def test_expected_checkpoint_bytes_covers_what_is_written(kind):
     assert written <= estimate <= written + 100 * 2**10 + 256 * len(state)
 
 
+def test_a_tied_embedding_is_counted_once_as_the_folder_writes_it(tmp_path):
+    """transformers' lm_head.weight is embed_tokens.weight: save_pretrained writes it once, and the estimate
+    counted it twice (52.3 MiB estimated, 40.3 MiB written for a tied model)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.support.hf_tiny import tiny_config
+
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", tie_word_embeddings=True, vocab_size=4096))
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # 4096 x 32 fp32: 512 KiB
+    model.save_pretrained(str(tmp_path / "hf"))
+    written = sum(p.stat().st_size for p in (tmp_path / "hf").glob("*.safetensors"))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # no state: the estimate is the weights
+    estimate = expected_checkpoint_bytes(model, optimizer)
+    assert written <= estimate <= written + 100 * 2**10 + 256 * len(model.state_dict())
+
+
 @pytest.mark.parametrize("keep", [1, 2, None])
 def test_start_up_warning_suggests_lowering_keep_only_where_it_helps(manager, monkeypatch, caplog, keep):
     """With keep_last_n_checkpoints=1 two checkpoints are on disk at times anyway (the new one is complete
