@@ -22,6 +22,7 @@ micro-batches and ranks, divide a summed loss once) is
 :func:`torchtune_ext.train.step.train_step`; this module only calls it once per step.
 """
 
+import logging
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, Optional, Type
 
@@ -49,7 +50,12 @@ from torchtune_ext.run.control.run_lock import OutputDirLock, check_not_in_use
 from torchtune_ext.run.diagnostics import build_profiler, set_log_level
 from torchtune_ext.run.evaluate import Validator, build_val_loader
 from torchtune_ext.run.metrics import StepReporter, build_metric_logger
-from torchtune_ext.run.preflight import check_components, model_max_seq_len, model_vocab_size
+from torchtune_ext.run.preflight import (
+    check_components,
+    model_max_seq_len,
+    model_vocab_size,
+    warm_up_outlasts_the_run,
+)
 from torchtune_ext.run.resume import check_resume, check_resume_point, restore_training
 from torchtune_ext.train.allocator import keep_freed_cpu_memory
 from torchtune_ext.train.loss import build_loss
@@ -166,6 +172,8 @@ class TrainingRun:
                                       model_max_seq_len=model_max_seq_len(cfg.model), **dp)
         self.val_data = build_val_loader(cfg, self.tokenizer, ignore_index=self.loss_fn.ignore_index, **dp)
         self._total_steps = self.progress.plan(self.data, cfg.epochs)
+        if warning := warm_up_outlasts_the_run(cfg.lr_scheduler, self._total_steps):
+            utils.log_rank_zero(log, warning, level=logging.WARNING)
 
         self.checkpoints = CheckpointManager.from_config(cfg, dp_world_size=self.world_size,
                                                          distributed=self.distributed,

@@ -206,6 +206,22 @@ def model_vocab_size(cfg_model: DictConfig) -> Optional[int]:
     return _MODEL_VOCAB.get(OmegaConf.to_yaml(cfg_model, resolve=True))
 
 
+def warm_up_outlasts_the_run(cfg_lr_scheduler: Any, total_steps: int) -> Optional[str]:
+    """A warning when every optimizer step of the run falls inside the LR warm-up, else None.
+
+    torchtune's warm-up schedules (``num_warmup_steps``) rise linearly from 0: step ``s`` (1-based) trains
+    at ``(s - 1) / num_warmup_steps`` of ``optimizer.lr``. A run of no more steps than that never trains at
+    its configured rate (the shipped LoRA config on 12 chat records: one step, at lr 0) and still ends well.
+    """
+    warmup = cfg_lr_scheduler.get("num_warmup_steps") if cfg_lr_scheduler is not None else None
+    if not isinstance(warmup, int) or isinstance(warmup, bool) or total_steps <= 0 or total_steps > warmup:
+        return None
+    steps = f"{total_steps} optimizer step{'s' if total_steps > 1 else ''}"
+    return (f"this run makes {steps} in all, and lr_scheduler.num_warmup_steps={warmup}: the learning rate never "
+            f"leaves warm-up (its last step trains at {(total_steps - 1) / warmup:.0%} of optimizer.lr). Lower "
+            "num_warmup_steps, or train for more steps (epochs, more data, a smaller global batch)")
+
+
 def _embedding_rows(model: torch.nn.Module) -> Optional[int]:
     """torchtune's ``tok_embeddings``, or a transformers model's input embeddings: its rows."""
     embedding = getattr(model, "tok_embeddings", None)
