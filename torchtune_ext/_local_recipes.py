@@ -93,6 +93,7 @@ def _check_recipe_path(run_cmd):
     without a file is a command-line error."""
 
     def checked(self, args):
+        _check_rendezvous(self._parser, args)
         recipe = args.recipe
         # argparse's --config=FILE form: tune run looks for a separate "--config" (and would say it is missing)
         args.recipe_args = [part for arg in args.recipe_args for part in
@@ -125,6 +126,28 @@ def _check_recipe_path(run_cmd):
         return run_cmd(self, args)
 
     return checked
+
+
+def _max_nodes(nnodes) -> int:
+    """torchrun's ``--nnodes`` (``N`` or ``MIN:MAX``) as its largest count; 1 if it is not a number."""
+    try:
+        return int(str(nnodes).split(":")[-1])
+    except ValueError:
+        return 1
+
+
+def _check_rendezvous(parser, args) -> None:
+    """Several nodes without ``--rdzv-endpoint``: a command-line error (exit status 2) instead of a wait for ever.
+
+    ``tune run`` runs torchrun standalone when no endpoint is given: a rendezvous on this node alone, which
+    the other nodes cannot join, so the job waited silently for nodes that never come.
+    """
+    nodes = _max_nodes(getattr(args, "nnodes", 1))
+    if nodes > 1 and not getattr(args, "rdzv_endpoint", ""):
+        parser.error(f"--nnodes {args.nnodes} needs a rendezvous every node can reach, and without --rdzv-endpoint "
+                     "tune run starts one on this node alone (the job would wait for ever): add "
+                     "--rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id JOB, the same on every node, "
+                     "HOST being the first node's address")
 
 
 def install() -> None:

@@ -38,7 +38,8 @@ def test_loss_spike_nats_stops_a_diverging_run(tiny_run):
     losses = {}
     for spike in (3.0, None):
         cfg = OmegaConf.load(tiny_run(f"spike_{spike}", batch_size=2, gradient_accumulation_steps=1,
-                                      max_steps_per_epoch=9, save_final_checkpoint=False, loss_spike_nats=spike))
+                                      max_steps_per_epoch=9, save_final_checkpoint=False, loss_spike_nats=spike,
+                                      save_every_n_steps=5))
         cfg.lr_scheduler = {"_component_": "tests.support.helpers.lr_jump_schedule", "at_step": 6, "factor": 1e4}
         recipe = recipe_class(RECIPE, "FullFinetuneRecipeSingleDevice")
         if spike is None:
@@ -49,3 +50,10 @@ def test_loss_spike_nats_stops_a_diverging_run(tiny_run):
         losses[spike] = [r["loss"] for r in read_jsonl(f"{cfg.output_dir}/logs/metrics.jsonl")]
     assert len(losses[3.0]) == 7 and len(losses[None]) == 9
     assert losses[None][7] > losses[None][4] + 3  # the same divergence, not stopped
+
+    # Resumed from the unchecked run's step_5 with the check on: the history of steps 1-5 comes back with the
+    # checkpoint, so the run stops where the uninterrupted one did (with an empty history it needed 3 new
+    # healthy steps, took the jumped losses of steps 7 and 8 for them, and ran on)
+    cfg.loss_spike_nats, cfg.resume_from_checkpoint = 3.0, True
+    with pytest.raises(TrainingHealthError, match="loss jumped at optimizer steps 7 and 8"):
+        run_recipe(recipe, validate(cfg))

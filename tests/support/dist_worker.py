@@ -230,15 +230,39 @@ def run_eval_case(case: dict, rank: int, world_size: int) -> dict:
             "grads_after": sum(p.grad is not None for p in model.parameters()), "world_size": world_size}
 
 
+def run_config_case(case: dict, rank: int, world_size: int) -> dict:
+    """The start-up config comparison over the job's gloo group: the same config passes; rank 1's other
+    ``optimizer.lr`` and ``max_steps_per_epoch`` are refused on every rank (the message each rank raised)."""
+    from omegaconf import OmegaConf
+
+    from torchtune_ext.config.agreement import check_same_config_on_every_rank
+    from torchtune_ext.errors import ConfigError
+
+    same = OmegaConf.create({"optimizer": {"lr": 1e-3}, "max_steps_per_epoch": None, "seed": 5})
+    check_same_config_on_every_rank(same)  # raises if equal configs were taken for different
+    mine = OmegaConf.create({"optimizer": {"lr": 5e-2 if rank == 1 else 1e-3},
+                             "max_steps_per_epoch": 3 if rank == 1 else None, "seed": 5})
+    try:
+        check_same_config_on_every_rank(mine)
+        refused = None
+    except ConfigError as err:
+        refused = str(err)
+    return {"steps": [], "refused": refused}
+
+
 def main(out_path: str, cases_json: str) -> None:
     rank, world_size = distributed.init_process_group(CPU)
-    results = {case["name"]: (run_eval_case if case.get("kind") == "eval" else run_case)(case, rank, world_size)
+    runners = {"eval": run_eval_case, "config": run_config_case}
+    results = {case["name"]: runners.get(case.get("kind"), run_case)(case, rank, world_size)
                for case in json.loads(cases_json)}
     # every rank reports its own view of the step losses and evaluation results: they must agree
     views = [None] * world_size
     dist.all_gather_object(views, {n: ([s["loss"] for s in r["steps"]], r.get("eval")) for n, r in results.items()})
+    refusals = [None] * world_size
+    dist.all_gather_object(refusals, {n: r.get("refused") for n, r in results.items()})
     if rank == 0:
         for name in results:
+            results[name]["refused_by_rank"] = [v[name] for v in refusals]
             results[name]["losses_by_rank"] = [v[name][0] for v in views]
             results[name]["evals_by_rank"] = [v[name][1] for v in views]
         torch.save(results, out_path)

@@ -141,6 +141,15 @@ def verify_checkpoint(path: Path, content: bool = False, key: str = "resume_from
     return manifest
 
 
+def checkpoint_problem(path: Path, content: bool = False) -> Optional[str]:
+    """What is wrong with checkpoint folder ``path`` against its manifest, or None if it matches.
+
+    ``content``: compare the files' SHA-256 too, where the manifest records them (as :func:`verify_checkpoint`).
+    For callers that word their own error (the export names no config key).
+    """
+    return _read_manifest(path, content)[1]
+
+
 def file_sha256(path: Path) -> str:
     """The SHA-256 hex digest of a file's bytes, read in blocks (constant memory).
 

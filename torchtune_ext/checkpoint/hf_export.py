@@ -26,6 +26,7 @@ and are refused by the config check
 (:func:`torchtune_ext.config.combinations.check_sharded_checkpoints`).
 """
 
+import errno
 import json
 import os
 import shutil
@@ -39,15 +40,23 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torchtune.models import convert_weights
 
-from torchtune_ext.checkpoint.discovery import MANIFEST, RECIPE_STATE, list_checkpoints
-from torchtune_ext.checkpoint.files import make_readable
+from torchtune_ext.checkpoint.discovery import (
+    MANIFEST,
+    RECIPE_STATE,
+    STAGING,
+    checkpoint_problem,
+    list_checkpoints,
+    step_of,
+)
+from torchtune_ext.checkpoint.failures import is_disk_full, is_write_failure
+from torchtune_ext.checkpoint.files import existing_parent, make_readable
 from torchtune_ext.checkpoint.lora_export import adapter_config, arrange_lora_folder
 from torchtune_ext.checkpoint.resume_state import load_recipe_state
 from torchtune_ext.checkpoint.sharded import is_adapter_key, is_sharded, read_full_tensors, saved_tensors
 from torchtune_ext.checkpoint.tokenizer_files import write_chat_template
 from torchtune_ext.config import import_component, lora_settings
-from torchtune_ext.errors import UserError
-from torchtune_ext.text import short
+from torchtune_ext.errors import CheckpointSaveError, UserError
+from torchtune_ext.text import format_bytes, short
 
 INDEX = "model.safetensors.index.json"
 # What the HF checkpointer does not copy from the base folder: weights and their indexes (torchtune's list),
@@ -273,6 +282,8 @@ def export_step(step_folder: Path, out: Path,
             a run folder), its run's base checkpoint folder is gone, ``out``
             exists and is not empty, or ``<out>.partial`` is a folder this tool
             did not make. Nothing is written then.
+        CheckpointSaveError: writing the folder failed (a full disk, a read-only folder); its partial
+            output is removed.
     """
     step_folder, out = Path(step_folder).absolute(), Path(out).absolute()
     if not is_sharded(step_folder):
@@ -283,7 +294,12 @@ def export_step(step_folder: Path, out: Path,
     if partial.exists() and not (partial / EXPORT_MARKER).is_file():
         raise UserError(f"'{partial}' exists and was not made by this export (no {EXPORT_MARKER} in it): the export "
                         "stages its files there; move or delete it, or give another OUT")
-    state = load_recipe_state(step_folder)  # verifies the manifest first
+    _check_intact(step_folder)
+    try:
+        state = load_recipe_state(step_folder)
+    except UserError as err:  # its message is a resume's: name the export's way out instead
+        raise UserError(f"'{step_folder / RECIPE_STATE}' cannot be read: nothing exported. "
+                        f"{_intact_others(step_folder)}") from err
     config = state.config
     if not config or "checkpointer" not in config:
         raise UserError(f"'{step_folder / RECIPE_STATE}' holds no run config: it cannot say which base checkpoint "
@@ -293,23 +309,77 @@ def export_step(step_folder: Path, out: Path,
     checkpointer["checkpoint_dir"] = str(run_dir / str(checkpointer["checkpoint_dir"]))  # absolute stays absolute
     template = _training_chat_template(config, run_dir, chat_template_of) if chat_template_of else None
     lora = any(is_adapter_key(k) for k in saved_tensors(step_folder))
-    if partial.exists():
-        shutil.rmtree(partial)  # an interrupted export's (it holds the marker)
-    partial.mkdir(parents=True)
-    (partial / EXPORT_MARKER).touch()
-    written = export_hf(step_folder, partial, OmegaConf.create(checkpointer), OmegaConf.create(config["model"]),
-                        adapter_only=lora and bool(config.get("save_adapter_weights_only", False)))
-    # The base folder's tokenizer files were copied: carry training's chat template instead, as a gathered
-    # save and a run's final export do (CheckpointManager._save_chat_template)
-    if template:
-        write_chat_template(partial, template)
-    # safetensors writes owner-only files; a checkpoint is for others to load too (the writer does the same)
-    make_readable(partial)
-    (partial / EXPORT_MARKER).unlink()
-    if out.exists():
-        out.rmdir()  # empty: checked above
-    os.replace(partial, out)
+    try:
+        if partial.exists():
+            shutil.rmtree(partial)  # an interrupted export's (it holds the marker)
+        partial.mkdir(parents=True)
+        (partial / EXPORT_MARKER).touch()
+        written = export_hf(step_folder, partial, OmegaConf.create(checkpointer), OmegaConf.create(config["model"]),
+                            adapter_only=lora and bool(config.get("save_adapter_weights_only", False)))
+        # The base folder's tokenizer files were copied: carry training's chat template instead, as a gathered
+        # save and a run's final export do (CheckpointManager._save_chat_template)
+        if template:
+            write_chat_template(partial, template)
+        # safetensors writes owner-only files; a checkpoint is for others to load too (the writer does the same)
+        make_readable(partial)
+        (partial / EXPORT_MARKER).unlink()
+        if out.exists():
+            out.rmdir()  # empty: checked above
+        os.replace(partial, out)
+    except Exception as err:
+        if not is_write_failure(err):
+            raise
+        raise _export_write_failed(out, partial, err) from err
     return written
+
+
+def _export_write_failed(out: Path, partial: Path, err: BaseException) -> CheckpointSaveError:
+    """A write of the export failed (a full disk, a read-only folder): its staging folder is removed, and the
+    error says why and what to do (the recipes' exit status for a failed write, 74)."""
+    shutil.rmtree(partial, ignore_errors=True)
+    where = existing_parent(out)
+    if is_disk_full(err):
+        free = shutil.disk_usage(where).free
+        cause = f"the disk is full ({format_bytes(free)} free once the partial export was removed)"
+        fix = "free some space, or give an OUT on another disk"
+    else:
+        cause = short(err)
+        fix = (f"give an OUT in a folder you can write (not '{where}')" if isinstance(err, OSError) and
+               err.errno in (errno.EACCES, errno.EPERM, errno.EROFS) else "fix the cause, or give another OUT")
+    return CheckpointSaveError(f"writing the export to '{out}' failed ({cause}); nothing is left of it (the partial "
+                               f"'{partial.name}' was removed) and the checkpoint is unchanged: {fix}")
+
+
+def _check_intact(step_folder: Path) -> None:
+    """Refuse a checkpoint that does not match its manifest, content included, before anything is read from it.
+
+    The SHA-256 of every file is compared where the manifest records them (as a resume and ``evaluate`` do):
+    a shard changed at the same size would otherwise export as damaged weights.
+
+    Raises:
+        UserError: an unfinished save's staging folder, or a file missing, of another size or content.
+    """
+    if step_folder.name == STAGING:
+        raise UserError(f"'{step_folder}' is the staging folder of a save that did not finish, not a checkpoint: "
+                        f"nothing exported. {_intact_others(step_folder)}")
+    problem = checkpoint_problem(step_folder, content=True)
+    if problem:
+        raise UserError(f"{problem}: nothing exported. {_intact_others(step_folder)}")
+
+
+def _intact_others(step_folder: Path) -> str:
+    """A sentence naming the run's intact sharded checkpoints (content checked), the ones that can be exported."""
+    try:
+        others = [p for p in list_checkpoints(str(step_folder.parent)) if p != step_folder and is_sharded(p)]
+    except UserError:
+        return "The other checkpoints of this run cannot be listed."
+    intact = [p for p in others if checkpoint_problem(p, content=True) is None]
+    if step_folder.name[len("step_"):].isdigit():  # the earlier ones: what the run had before this step
+        intact = [p for p in intact if step_of(p) < step_of(step_folder)] or intact
+    if not intact:
+        return "No other sharded checkpoint of this run is intact."
+    return (f"Intact sharded checkpoints of this run: {', '.join(p.name for p in intact)}; export one of them, "
+            f"e.g. '{intact[-1]}'")
 
 
 def _not_sharded(step_folder: Path) -> str:

@@ -1,7 +1,7 @@
 """Where training stands: the step counters and the data position a checkpoint saves."""
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, List
 
 
 @dataclass
@@ -25,6 +25,10 @@ class Progress:
             of the optimizer steps that updated the model so far.
         total_steps (int): optimizer steps of the whole run, the length the
             LR schedule is built for (0: not known yet).
+        healthy_losses (list of float): the global losses of the last healthy optimizer steps,
+            oldest first (at most :data:`torchtune_ext.train.health.SPIKE_WINDOW`), that the loss-spike
+            check compares against; a resumed run continues the check with them at its first step
+            (empty in checkpoints of earlier versions).
     """
 
     step: int = 0
@@ -36,6 +40,7 @@ class Progress:
     data_seed: int = 0
     tokens_seen: int = 0
     total_steps: int = 0
+    healthy_losses: List[float] = field(default_factory=list)
 
     def complete_step(self, skipped: bool, end_sample: int, num_tokens: int = 0) -> None:
         """Count a finished optimizer step (``skipped``: it did not update) that

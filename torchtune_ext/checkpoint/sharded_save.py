@@ -100,6 +100,7 @@ class ShardedSaves:
         start = time.perf_counter()
         state = local_state(model, optimizer, keys)
         needed = sum(ranks.from_every_rank(local_bytes(state))) + export_bytes + self.copied_bytes() + 2**20
+        self._save_needs = needed  # what a failed write compares the free space with (_out_of_room)
         written = self.staging / f"epoch_{progress.step}"
         recipe_state = self._recipe_state(progress, None, rng_by_rank)
         recipe_state["format"] = SHARDED_FORMAT  # the optimizer state is in the shards
@@ -147,11 +148,25 @@ class ShardedSaves:
         if isinstance(err, CheckpointSaveError):
             return ("done", str(err), str(ranks.rank()))
         rank, cause = min(failed_ranks(err).items())
-        if is_disk_full(cause):
+        if is_disk_full(cause) or (isinstance(cause, Exception) and is_write_failure(cause) and self._out_of_room()):
             return ("full", short(cause), str(rank), str(written))
         if isinstance(cause, Exception) and is_write_failure(cause):
             return ("write", short(cause), str(rank), str(written))
         return ("bug", f"{type(cause).__name__}: {cause}", str(rank), str(written))
+
+    def _out_of_room(self) -> bool:
+        """At a failed write, before the staging folder goes: is the disk too full for the rest of the save?
+
+        torch's writer reports a full disk as a bare ``RuntimeError`` (``[enforce fail at
+        inline_container.cc:...] . unexpected pos ...``), without ENOSPC; as for a gathered save, the free
+        space tells: less than what the save still had to write (its estimate less what is staged).
+        """
+        try:
+            staged = sum(p.stat().st_size for p in self.staging.rglob("*") if p.is_file())
+            free = shutil.disk_usage(self.output_dir).free
+        except OSError:
+            return False
+        return free < getattr(self, "_save_needs", 0) - staged
 
     def _raise_agreed(self, final: Path, failures: List[Optional[Tuple[str, ...]]], needed: int,
                       group: Any = None) -> None:

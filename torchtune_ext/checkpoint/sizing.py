@@ -50,6 +50,9 @@ def expected_checkpoint_bytes(model: torch.nn.Module, optimizer: torch.optim.Opt
     here so that the start-up check leaves room for it; DCP's entries cost
     ~2.5 KiB per tensor and rank on top.
 
+    A weight tied to another (an output projection that is the token embedding) counts once in a
+    Hugging Face folder, as it is written.
+
     Returns:
         bytes: the tensors, plus the small entries measured on written checkpoints (each
         rank's RNG states, about 15 KiB, kept twice for rank 0; the progress and config;
@@ -58,10 +61,12 @@ def expected_checkpoint_bytes(model: torch.nn.Module, optimizer: torch.optim.Opt
         :meth:`CheckpointManager.announce`.
     """
     trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    state = model.state_dict()
-    weights = tensor_bytes(state)
+    state = model.state_dict(keep_vars=True)  # the parameters themselves: a tied weight is one object under two keys
+    # A tied embedding (transformers' lm_head.weight is embed_tokens.weight) is written once to a Hugging
+    # Face folder (save_pretrained and safetensors drop the alias); DCP's shards hold every key
+    weights = tensor_bytes(list({id(t): t for t in state.values()}.values()))
     if sharded:
-        shards = trainable if lora and adapter_only else weights
+        shards = trainable if lora and adapter_only else tensor_bytes(state)
         weights = shards + (2 * trainable + (0 if adapter_only else weights - trainable) if lora else weights)
     elif lora:
         weights = 2 * trainable + (0 if adapter_only else weights - trainable)

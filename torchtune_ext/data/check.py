@@ -23,6 +23,7 @@ pass); for packed datasets the packs are read, not re-tokenized.
 """
 
 import codecs
+import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -70,6 +71,14 @@ class DataReport:
     num_tokens: int = 0
     unit: str = "sample"
     findings: Dict[str, Finding] = field(default_factory=dict)
+    max_token_id: int = -1
+    max_token_at: Optional[int] = None  # the sample (pack, for packed data) holding it
+
+    def see_tokens(self, tokens: Sequence[int], index: int) -> None:
+        """Remember the largest token id so far (:func:`check_token_ids` compares it with the embedding)."""
+        top = max((int(t) for t in tokens), default=-1)
+        if top > self.max_token_id:
+            self.max_token_id, self.max_token_at = top, index
 
     def finding(self, kind: str, what: str, is_error: bool = True) -> Finding:
         return self.findings.setdefault(kind, Finding(what, is_error=is_error))
@@ -108,6 +117,36 @@ def first_invalid_utf8(path: str) -> Optional[str]:
     return None
 
 
+def first_invalid_json(path: str) -> Optional[str]:
+    """Where a local JSON or JSON Lines file first fails to parse (``line L, column C: what``), or None.
+
+    The datasets library names an Arrow block's row and a pandas offset instead ("row 97", "position
+    1682"), which lead nowhere in the file. A file that parses as one document is valid; otherwise, when
+    it is one record per line (its first document is followed by "Extra data"), each line is parsed
+    alone, and the first that fails is named with its line of the file and its column.
+    """
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return None
+    try:
+        json.loads(text)
+        return None
+    except json.JSONDecodeError as whole:
+        if whole.msg != "Extra data":  # one document, broken at this place (or the first line of a JSONL file)
+            return f"line {whole.lineno}, column {whole.colno}: {whole.msg}"
+    for number, line in enumerate(text.splitlines(), start=1):
+        if line.strip():
+            try:
+                json.loads(line)
+            except json.JSONDecodeError as err:
+                return f"line {number}, column {err.colno}: {err.msg}"
+    return None
+
+
 def explain_unreadable(err: BaseException, key: str, cfg_dataset: Any, index: Optional[int] = None,
                        columns: Optional[Sequence[str]] = None) -> ConfigError:
     """A :class:`ConfigError` for a record (or a whole file) the dataset could not read."""
@@ -134,6 +173,13 @@ def explain_unreadable(err: BaseException, key: str, cfg_dataset: Any, index: Op
             if bad:
                 return ConfigError(key, f"'{path}' is not valid UTF-8 ({bad}); convert it to UTF-8 "
                                    f"(e.g. iconv -f latin1 -t utf-8)")
+    files = cfg_dataset.get("data_files")
+    for path in ([files] if isinstance(files, str) else list(files or [])):
+        if str(path).endswith((".json", ".jsonl")) or cfg_dataset.get("source") == "json":
+            bad = first_invalid_json(str(path))
+            if bad:
+                return ConfigError(key, f"'{path}' is not valid JSON at {bad}; fix that line (JSON Lines: one "
+                                   "complete record per line)")
     return ConfigError(key, f"could not load {where}: {_short_chain(chain) or type(err).__name__}")
 
 
@@ -200,7 +246,8 @@ def check_dataset(dataset: Any, cfg_dataset: Any, key: str, *, ignore_index: int
         report.unit = "document"
         split = bool(getattr(dataset, "split_across_pack", False))
         continued = False
-        for pack in dataset.packs:
+        for pack_index, pack in enumerate(dataset.packs):
+            report.see_tokens(pack["tokens"], pack_index)
             labels = [int(x) for x in pack["labels"]]
             bounds, start = [], 0
             for n in (int(n) for n in pack["seq_lens"]):
@@ -225,6 +272,7 @@ def check_dataset(dataset: Any, cfg_dataset: Any, key: str, *, ignore_index: int
             except Exception as err:
                 raise explain_unreadable(err, key, cfg_dataset, index=i, columns=columns) from err
             report.num_samples += 1
+            report.see_tokens(sample["tokens"], i)
             if model_max_seq_len is not None and len(sample["tokens"]) > model_max_seq_len:
                 raise ConfigError(key, f"'{report.source}': sample {i} has {len(sample['tokens'])} tokens, more "
                                   f"than the model's max_seq_len={model_max_seq_len}; set tokenizer.max_seq_len="
@@ -246,6 +294,44 @@ def check_dataset(dataset: Any, cfg_dataset: Any, key: str, *, ignore_index: int
                 if any(_contains_replacement(values[offset]) for values in rows.values()):
                     bad.add(start + offset)
     return report
+
+
+@dataclass(frozen=True)
+class ModelVocabulary:
+    """The rows of the model's token embedding, and what to call the model and the tokenizer in messages."""
+
+    size: int
+    model: str
+    tokenizer: str
+
+
+def model_vocabulary(cfg: Any, size: Optional[int]) -> Optional[ModelVocabulary]:
+    """:class:`ModelVocabulary` of a recipe config whose model's embedding has ``size`` rows (None: unknown)."""
+    if size is None:
+        return None
+    tokenizer = cfg.tokenizer.get("path") or cfg.tokenizer.get("_component_")
+    model = cfg.model.get("path") or cfg.model.get("_component_")
+    return ModelVocabulary(int(size), str(model), f"{cfg.tokenizer.get('_component_')} ('{tokenizer}')")
+
+
+def check_token_ids(reports: List[DataReport], vocabulary: Optional[ModelVocabulary]) -> None:
+    """Refuse data whose token ids reach past the model's embedding (it would fail at the first forward
+    that meets one, after start-up, with a long traceback; on CUDA an assert that ends the process).
+
+    Raises:
+        ConfigError: (key ``tokenizer``) naming the tokenizer, the model, both sizes, and the sample.
+    """
+    if vocabulary is None:
+        return
+    for report in reports:
+        if report.max_token_id >= vocabulary.size:
+            where = "pack" if report.unit == "document" else "sample"
+            raise ConfigError("tokenizer", f"the tokenizer {vocabulary.tokenizer} gives token id "
+                              f"{report.max_token_id} ({report.key} '{report.source}', {where} "
+                              f"{report.max_token_at}), but the model '{vocabulary.model}' has "
+                              f"{vocabulary.size} token embeddings (ids 0-{vocabulary.size - 1}): its vocabulary "
+                              f"needs at least {report.max_token_id + 1}. Use the tokenizer that belongs to the "
+                              "model, or a model whose vocab_size covers the tokenizer")
 
 
 def act_on_reports(reports: List[DataReport], data_errors: str, require_tokens: bool = False) -> None:

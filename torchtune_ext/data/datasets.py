@@ -16,7 +16,13 @@ from torch.utils.data import ConcatDataset, Dataset
 from torchtune import config as tt_config
 from torchtune.data import padded_collate_packed, padded_collate_sft
 
-from torchtune_ext.data.check import act_on_reports, check_dataset, explain_unreadable
+from torchtune_ext.data.check import (
+    ModelVocabulary,
+    act_on_reports,
+    check_dataset,
+    check_token_ids,
+    explain_unreadable,
+)
 from torchtune_ext.errors import ConfigError
 from torchtune_ext.train.loss import CROSS_ENTROPY_IGNORE_INDEX
 
@@ -81,7 +87,8 @@ def collate_as_pack(samples: List[Sample]) -> Dict[str, torch.Tensor]:
 
 def build_dataset(cfg_dataset: Any, tokenizer: Any, key: str = "dataset", *,
                   ignore_index: int = CROSS_ENTROPY_IGNORE_INDEX, data_errors: str = "warn",
-                  model_max_seq_len: Optional[int] = None, training: bool = False) -> Tuple[Dataset, bool]:
+                  model_max_seq_len: Optional[int] = None, training: bool = False,
+                  vocabulary: Optional[ModelVocabulary] = None) -> Tuple[Dataset, bool]:
     """Instantiate a dataset config (one dataset or a list, concatenated) and check every sample once.
 
     Each configured dataset goes through :func:`torchtune_ext.data.check.check_dataset`:
@@ -94,6 +101,8 @@ def build_dataset(cfg_dataset: Any, tokenizer: Any, key: str = "dataset", *,
             is refused (None: not checked).
         training: data to train on: not one trainable token in it is an error
             (every step would be skipped), whatever ``data_errors`` says.
+        vocabulary: the model's token embedding; a token id past it is refused
+            (:func:`torchtune_ext.data.check.check_token_ids`; None: not checked).
 
     Returns:
         (dataset, packed)
@@ -119,6 +128,7 @@ def build_dataset(cfg_dataset: Any, tokenizer: Any, key: str = "dataset", *,
         reports.append(check_dataset(datasets[-1], c, item, ignore_index=ignore_index,
                                      max_seq_len=getattr(tokenizer, "max_seq_len", None),
                                      model_max_seq_len=model_max_seq_len))
+    check_token_ids(reports, vocabulary)
     act_on_reports(reports, data_errors, require_tokens=training)
     dataset = datasets[0] if len(datasets) == 1 else ConcatDataset(datasets)
     if len(dataset) == 0:

@@ -35,6 +35,7 @@ import torch
 from torch.utils.data import Dataset
 from torchtune.config._utils import _get_component_from_path
 
+from torchtune_ext.data.check import model_vocabulary
 from torchtune_ext.data.datasets import Sample, build_dataset, collate_as_pack, make_collate, masked_copy
 from torchtune_ext.errors import ConfigError
 from torchtune_ext.train.memory import MicroBatchShape
@@ -354,11 +355,13 @@ class StepLoader:
 
 
 def build_step_loader(cfg: Any, tokenizer: Any, *, seed: int, ignore_index: int,
-                      model_max_seq_len: Optional[int] = None, dp_rank: int = 0, dp_world_size: int = 1) -> StepLoader:
+                      model_max_seq_len: Optional[int] = None, dp_rank: int = 0, dp_world_size: int = 1,
+                      model_vocab_size: Optional[int] = None) -> StepLoader:
     """The training :class:`StepLoader` of a validated recipe config.
 
     ``model_max_seq_len``: the longest input the model takes (the caller reads it off the model,
-    :func:`torchtune_ext.run.preflight.model_max_seq_len`); None: unknown.
+    :func:`torchtune_ext.run.preflight.model_max_seq_len`); None: unknown. ``model_vocab_size``: the rows of
+    its token embedding; a larger token id in the data is refused (None: unknown).
 
     Reads ``dataset``, ``data_errors``, ``collate_fn``, ``batch_size``, ``gradient_accumulation_steps``,
     ``shuffle``, ``group_by_length``, ``max_tokens_per_micro_batch``, ``pack_micro_batches`` and
@@ -368,7 +371,8 @@ def build_step_loader(cfg: Any, tokenizer: Any, *, seed: int, ignore_index: int,
         ConfigError: as :func:`build_dataset` and :class:`StepLoader`.
     """
     dataset, packed = build_dataset(cfg.dataset, tokenizer, ignore_index=ignore_index, data_errors=cfg.data_errors,
-                                    model_max_seq_len=model_max_seq_len, training=True)
+                                    model_max_seq_len=model_max_seq_len, training=True,
+                                    vocabulary=model_vocabulary(cfg, model_vocab_size))
     return StepLoader(
         dataset, make_collate(packed, tokenizer.pad_id, ignore_index,
                               _get_component_from_path(cfg.get("collate_fn") or "torchtune.data.padded_collate_sft")),

@@ -76,6 +76,7 @@ from torchtune_ext.checkpoint import (
 )
 from torchtune_ext.config import COMMON_KEYS, DISTRIBUTED_KEYS, LORA_KEYS, validate, validation_enabled
 from torchtune_ext.config.upstream import describe_model
+from torchtune_ext.data.check import model_vocabulary
 from torchtune_ext.data.datasets import build_dataset, make_collate
 from torchtune_ext.data.step_loader import StepLoader
 from torchtune_ext.data.tokenizer import build_tokenizer
@@ -191,19 +192,20 @@ def has_trainable_token(dataset: Dataset, collate_fn, ignore_index: int) -> bool
 
 
 def build_eval_loader(cfg: DictConfig, tokenizer: Any, key: str, *, ignore_index: int,
-                      dp_rank: int = 0, dp_world_size: int = 1) -> StepLoader:
+                      dp_rank: int = 0, dp_world_size: int = 1, model_vocab_size: Optional[int] = None) -> StepLoader:
     """A loader for one evaluation pass over the dataset of config key ``key``.
 
     Reads ``batch_size_val`` (samples per micro-batch per rank), ``data_errors``,
     ``max_val_samples`` (the first N samples in dataset order: the same samples
     whatever the batch size or number of ranks), ``group_by_length`` and
-    ``max_tokens_per_micro_batch``. No shuffling: every pass sees the same samples.
+    ``max_tokens_per_micro_batch``. No shuffling: every pass sees the same samples. ``model_vocab_size``:
+    the rows of the model's token embedding; a larger token id in the data is refused (None: unknown).
 
     Raises:
         ConfigError: (naming ``key``) as :func:`torchtune_ext.data.datasets.build_dataset`.
     """
     dataset, packed = build_dataset(cfg[key], tokenizer, key=key, ignore_index=ignore_index,
-                                    data_errors=cfg.data_errors)
+                                    data_errors=cfg.data_errors, vocabulary=model_vocabulary(cfg, model_vocab_size))
     if cfg.max_val_samples is not None and cfg.max_val_samples < len(dataset):
         dataset = Subset(dataset, range(cfg.max_val_samples))
     return StepLoader(
@@ -215,7 +217,7 @@ def build_eval_loader(cfg: DictConfig, tokenizer: Any, key: str, *, ignore_index
 
 
 def build_val_loader(cfg: DictConfig, tokenizer: Any, *, ignore_index: int, dp_rank: int = 0,
-                     dp_world_size: int = 1) -> Optional[StepLoader]:
+                     dp_world_size: int = 1, model_vocab_size: Optional[int] = None) -> Optional[StepLoader]:
     """The recipe's validation loader: None when validation is off, or (with a
     warning) when no sample of ``dataset_val`` has a trainable token.
 
@@ -225,7 +227,7 @@ def build_val_loader(cfg: DictConfig, tokenizer: Any, *, ignore_index: int, dp_r
     if not validation_enabled(cfg):
         return None
     loader = build_eval_loader(cfg, tokenizer, "dataset_val", ignore_index=ignore_index, dp_rank=dp_rank,
-                               dp_world_size=dp_world_size)
+                               dp_world_size=dp_world_size, model_vocab_size=model_vocab_size)
     if not has_trainable_token(loader.dataset, loader.collate_fn, ignore_index):
         utils.log_rank_zero(log, f"dataset_val: none of its {len(loader)} samples has a trainable token after "
                                  "the label shift (every label masked, or one token long): no validation runs "

@@ -22,6 +22,7 @@ micro-batches and ranks, divide a summed loss once) is
 :func:`torchtune_ext.train.step.train_step`; this module only calls it once per step.
 """
 
+import logging
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, Optional, Type
 
@@ -40,6 +41,7 @@ from torchtune_ext.checkpoint import (
     set_rng_state,
 )
 from torchtune_ext.checkpoint.state_dict import gather_full_model_state_dict
+from torchtune_ext.config.agreement import check_same_config_on_every_rank
 from torchtune_ext.data.step_loader import build_step_loader
 from torchtune_ext.data.tokenizer import build_tokenizer, training_chat_template
 from torchtune_ext.run.control.preemption import GracefulStop
@@ -48,7 +50,12 @@ from torchtune_ext.run.control.run_lock import OutputDirLock, check_not_in_use
 from torchtune_ext.run.diagnostics import build_profiler, set_log_level
 from torchtune_ext.run.evaluate import Validator, build_val_loader
 from torchtune_ext.run.metrics import StepReporter, build_metric_logger
-from torchtune_ext.run.preflight import check_components, model_max_seq_len
+from torchtune_ext.run.preflight import (
+    check_components,
+    model_max_seq_len,
+    model_vocab_size,
+    warm_up_outlasts_the_run,
+)
 from torchtune_ext.run.resume import check_resume, check_resume_point, restore_training
 from torchtune_ext.train.allocator import keep_freed_cpu_memory
 from torchtune_ext.train.loss import build_loss
@@ -86,6 +93,7 @@ class TrainingRun:
         self.dtype = training.get_dtype(cfg.dtype, device=self.device)
         self.rank, self.processes = (
             parallel.init_process_group(self.device, cfg.fsdp_cpu_offload) if distributed else (0, 1))
+        check_same_config_on_every_rank(cfg)  # a node's stale config or override: refused before any collective
         self.parallelism = self._build_parallelism() if distributed else None
         # Data-parallel ranks: the ranks of a tensor-parallel group share one share of the samples.
         self.world_size = self.parallelism.dp_size if distributed else 1
@@ -157,12 +165,15 @@ class TrainingRun:
         # what each step optimizes and validation measures; a recipe with another objective (distillation,
         # preference pairs) replaces it before setup_training
         self.objective: Objective = TokenObjective(self.loss_fn)
-        dp = dict(dp_rank=self.dp_rank, dp_world_size=self.world_size)  # a tensor-parallel group: the same samples
+        dp = dict(dp_rank=self.dp_rank, dp_world_size=self.world_size,  # a tensor-parallel group: the same samples
+                  model_vocab_size=model_vocab_size(cfg.model))  # a token id past the embedding: refused
         self.data = build_step_loader(cfg, self.tokenizer, seed=self.progress.data_seed,
                                       ignore_index=self.loss_fn.ignore_index,
                                       model_max_seq_len=model_max_seq_len(cfg.model), **dp)
         self.val_data = build_val_loader(cfg, self.tokenizer, ignore_index=self.loss_fn.ignore_index, **dp)
         self._total_steps = self.progress.plan(self.data, cfg.epochs)
+        if warning := warm_up_outlasts_the_run(cfg.lr_scheduler, self._total_steps):
+            utils.log_rank_zero(log, warning, level=logging.WARNING)
 
         self.checkpoints = CheckpointManager.from_config(cfg, dp_world_size=self.world_size,
                                                          distributed=self.distributed,
@@ -204,7 +215,8 @@ class TrainingRun:
                              distributed=self.distributed, available_memory=available_memory_bytes)
 
         self._health = StepHealth(cfg.output_dir, skip_nonfinite_steps=cfg.skip_nonfinite_steps,
-                                  loss_spike_nats=cfg.loss_spike_nats, start_step=self.progress.step)
+                                  loss_spike_nats=cfg.loss_spike_nats, start_step=self.progress.step,
+                                  history=self.progress.healthy_losses)  # saved with each checkpoint
         self.metric_logger = build_metric_logger(cfg, rank=self.rank, resume=bool(self._resumed))
         self.metric_logger.log_config(cfg)
         self._validator = Validator(cfg, self.val_data, model, self.objective, self.metric_logger, self.device,

@@ -173,6 +173,7 @@ def _meta_model(cfg_model: DictConfig) -> torch.nn.Module:
 
 
 _MODEL_LIMITS: Dict[str, Optional[int]] = {}
+_MODEL_VOCAB: Dict[str, Optional[int]] = {}
 
 
 def model_max_seq_len(cfg_model: DictConfig) -> Optional[int]:
@@ -194,6 +195,44 @@ def model_max_seq_len(cfg_model: DictConfig) -> Optional[int]:
     return _MODEL_LIMITS[key]
 
 
+def model_vocab_size(cfg_model: DictConfig) -> Optional[int]:
+    """The rows of the token embedding of the model a ``model`` config builds (its vocabulary size).
+
+    Read off the model built on the meta device (a builder's default counts), remembered per config.
+
+    Returns:
+        int, or None if the model has no embedding it names (or cannot be built).
+    """
+    model_max_seq_len(cfg_model)  # builds it once, for both
+    return _MODEL_VOCAB.get(OmegaConf.to_yaml(cfg_model, resolve=True))
+
+
+def warm_up_outlasts_the_run(cfg_lr_scheduler: Any, total_steps: int) -> Optional[str]:
+    """A warning when every optimizer step of the run falls inside the LR warm-up, else None.
+
+    torchtune's warm-up schedules (``num_warmup_steps``) rise linearly from 0: step ``s`` (1-based) trains
+    at ``(s - 1) / num_warmup_steps`` of ``optimizer.lr``. A run of no more steps than that never trains at
+    its configured rate (the shipped LoRA config on 12 chat records: one step, at lr 0) and still ends well.
+    """
+    warmup = cfg_lr_scheduler.get("num_warmup_steps") if cfg_lr_scheduler is not None else None
+    if not isinstance(warmup, int) or isinstance(warmup, bool) or total_steps <= 0 or total_steps > warmup:
+        return None
+    steps = f"{total_steps} optimizer step{'s' if total_steps > 1 else ''}"
+    return (f"this run makes {steps} in all, and lr_scheduler.num_warmup_steps={warmup}: the learning rate never "
+            f"leaves warm-up (its last step trains at {(total_steps - 1) / warmup:.0%} of optimizer.lr). Lower "
+            "num_warmup_steps, or train for more steps (epochs, more data, a smaller global batch)")
+
+
+def _embedding_rows(model: torch.nn.Module) -> Optional[int]:
+    """torchtune's ``tok_embeddings``, or a transformers model's input embeddings: its rows."""
+    embedding = getattr(model, "tok_embeddings", None)
+    for owner in (model, getattr(model, "model", None)):
+        if embedding is None and callable(getattr(owner, "get_input_embeddings", None)):
+            embedding = owner.get_input_embeddings()
+    rows = getattr(embedding, "num_embeddings", None)
+    return rows if isinstance(rows, int) else None
+
+
 def _remember_limit(cfg_model: DictConfig, model: torch.nn.Module) -> Optional[int]:
     limit = getattr(model, "max_seq_len", None)
     if limit is None:  # a transformers model: its config's position limit
@@ -201,6 +240,7 @@ def _remember_limit(cfg_model: DictConfig, model: torch.nn.Module) -> Optional[i
         limit = getattr(config, "max_position_embeddings", None) if config is not None else None
     limit = limit if isinstance(limit, int) and not isinstance(limit, bool) else None
     _MODEL_LIMITS[OmegaConf.to_yaml(cfg_model, resolve=True)] = limit
+    _MODEL_VOCAB[OmegaConf.to_yaml(cfg_model, resolve=True)] = _embedding_rows(model)
     return limit
 
 

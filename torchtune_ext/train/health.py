@@ -47,7 +47,6 @@ raises; otherwise it logs one summary line with the skipped steps.
 
 import logging
 import math
-from collections import deque
 from pathlib import Path
 from typing import Iterable, List, Optional
 
@@ -111,15 +110,23 @@ class StepHealth:
             many nats per token above the highest loss of the last 32 healthy
             steps is a spike; None turns the rule off.
         start_step (int): optimizer steps done before this run (resume).
+        history (list of float, optional): the list the losses of the last healthy steps are kept
+            in, oldest first, updated in place (at most :data:`SPIKE_WINDOW`). A run passes its
+            :attr:`Progress.healthy_losses <torchtune_ext.checkpoint.Progress>`: every checkpoint then
+            saves it, and a resumed run (or a torchrun restart) checks its first step against the
+            steps before the checkpoint instead of waiting for :data:`SPIKE_MIN_HISTORY` new ones.
+            None: a list of its own, empty.
     """
 
     def __init__(self, output_dir: Optional[str] = None, *, skip_nonfinite_steps: bool = False,
-                 loss_spike_nats: Optional[float] = None, start_step: int = 0):
+                 loss_spike_nats: Optional[float] = None, start_step: int = 0,
+                 history: Optional[List[float]] = None):
         self.output_dir = output_dir
         self.skip_nonfinite_steps = skip_nonfinite_steps
         self.loss_spike_nats = loss_spike_nats
         self.start_step = self.last_step = start_step
-        self._losses = deque(maxlen=SPIKE_WINDOW)
+        self._losses: List[float] = history if history is not None else []
+        del self._losses[:-SPIKE_WINDOW]
         self._suspect_from: Optional[int] = None  # first suspect step of the current incident
         self._spike_at: Optional[int] = None
         self._nonfinite_run: List[int] = []  # non-finite steps in a row, up to now
@@ -189,6 +196,7 @@ class StepHealth:
         self._spike_at = None
         self._suspect_from = None  # the parameters of step - 1 are confirmed healthy
         self._losses.append(loss)
+        del self._losses[:-SPIKE_WINDOW]
         return False
 
     def after_update(self, step: int, parameters: Iterable[torch.Tensor], loss: float, grad_norm: float) -> None:

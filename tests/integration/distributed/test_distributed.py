@@ -113,13 +113,17 @@ def launch(world_size, cases, out):
 LATE_CASE = case(2, 2, 1, False, late_rank=1)
 
 
+# Rank 1 resolves another optimizer.lr and max_steps_per_epoch (a node's stale config): every rank refuses
+CONFIG_CASE = dict(name="config_agreement", kind="config", world_size=2)
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dist")
     out = {}
     for world_size in (1, 2):
-        cases = [c for c in CASES + PACKED_CASES + EVAL_CASES + OPTIM_IN_BWD_CASES + GUARD_CASES + [LATE_CASE]
-                 if c["world_size"] == world_size]
+        every = CASES + PACKED_CASES + EVAL_CASES + OPTIM_IN_BWD_CASES + GUARD_CASES + [LATE_CASE, CONFIG_CASE]
+        cases = [c for c in every if c["world_size"] == world_size]
         out.update(launch(world_size, cases, tmp / f"w{world_size}.pt"))
     return out
 
@@ -319,3 +323,11 @@ def test_a_late_rank_shows_as_the_others_waiting(results):
     assert len(late) == 3 and all(0.4 <= w < 2.0 for w in late), late
     one_rank = results[case(1, 4, 1, False)["name"]]["steps"]
     assert all(s["wait_seconds"] == 0.0 for s in one_rank)
+
+
+def test_ranks_started_with_different_configs_all_refuse_naming_the_keys(results):
+    """torchtune_ext.config.agreement over a real gloo group: one line, the same on every rank, before any step."""
+    refused = results[CONFIG_CASE["name"]]["refused_by_rank"]
+    assert len(refused) == 2 and refused[0] == refused[1] and refused[0].count("\n") == 0
+    assert refused[0].startswith("config key 'max_steps_per_epoch, optimizer.lr': ")
+    assert "optimizer.lr is 0.001 on rank 0 / 0.05 on rank 1" in refused[0]

@@ -60,6 +60,21 @@ def test_save_writes_manifest_and_state(manager):
     assert not manager.staging.exists()
 
 
+def test_the_loss_spike_history_is_saved_and_comes_back_with_the_run(manager):
+    """A resumed run's health check continues from the checkpoint's healthy losses (train/health.py)."""
+    progress = Progress(step=3, seed=3, healthy_losses=[10.5, 10.7, 10.6])
+    path = manager.save({"model": {"w": b"weights"}}, progress, {})
+    assert load_recipe_state(path).progress.healthy_losses == [10.5, 10.7, 10.6]
+    state = torch.load(path / "recipe_state.pt", weights_only=False)
+    del state["progress"]["healthy_losses"]  # a checkpoint of an earlier version: no history, as before
+    torch.save(state, path / "recipe_state.pt")
+    manifest = json.loads((path / MANIFEST).read_text())
+    manifest["files"]["recipe_state.pt"] = (path / "recipe_state.pt").stat().st_size
+    manifest.pop("sha256", None)
+    (path / MANIFEST).write_text(json.dumps(manifest))
+    assert load_recipe_state(path).progress.healthy_losses == []
+
+
 def test_a_checkpoint_of_an_earlier_version_keeps_its_sample_order(manager):
     """Before data_seed was saved the epochs' order followed the run's seed: a resume must keep that order
     (another one would train some samples of the epoch in progress twice and others never)."""
@@ -419,6 +434,22 @@ def test_expected_checkpoint_bytes_covers_what_is_written(kind):
     written += tensor_bytes(optimizer.state_dict())
     estimate = expected_checkpoint_bytes(model, optimizer, lora=kind != "full", adapter_only=kind.endswith("only"))
     assert written <= estimate <= written + 100 * 2**10 + 256 * len(state)
+
+
+def test_a_tied_embedding_is_counted_once_as_the_folder_writes_it(tmp_path):
+    """transformers' lm_head.weight is embed_tokens.weight: save_pretrained writes it once, and the estimate
+    counted it twice (52.3 MiB estimated, 40.3 MiB written for a tied model)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.support.hf_tiny import tiny_config
+
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", tie_word_embeddings=True, vocab_size=4096))
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # 4096 x 32 fp32: 512 KiB
+    model.save_pretrained(str(tmp_path / "hf"))
+    written = sum(p.stat().st_size for p in (tmp_path / "hf").glob("*.safetensors"))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # no state: the estimate is the weights
+    estimate = expected_checkpoint_bytes(model, optimizer)
+    assert written <= estimate <= written + 100 * 2**10 + 256 * len(model.state_dict())
 
 
 @pytest.mark.parametrize("keep", [1, 2, None])

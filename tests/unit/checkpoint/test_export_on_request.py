@@ -146,3 +146,65 @@ def test_a_run_folder_names_its_checkpoints_and_the_one_to_pass(run, tmp_path, c
     assert "is a run's output_dir, not one checkpoint" in err and "step_1, step_2" in err
     assert f"'{root / 'out' / 'step_2'}', the newest" in err
     assert not (tmp_path / "hf").exists() and not (tmp_path / "hf.partial").exists()
+
+
+def test_a_shard_damaged_at_the_same_size_is_refused_by_its_sha256_and_nothing_is_written(run, tmp_path, capsys):
+    """The manifest's sizes all match: only the content hash tells (as a resume and evaluate refuse it)."""
+    root, _ = run
+    shard = sorted((root / "out" / "step_2" / "dcp").glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[100:164] = bytes(b ^ 0xFF for b in data[100:164])
+    shard.write_bytes(bytes(data))
+    code, err = _export(root / "out" / "step_2", tmp_path / "hf", capsys)
+    assert code == 2 and err.count("\n") == 1
+    assert f"'dcp/{shard.name}' is damaged" in err and "SHA-256 mismatch" in err and "resume_from_checkpoint" not in err
+    assert f"export one of them, e.g. '{root / 'out' / 'step_1'}'" in err
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "hf.partial").exists()
+    assert _export(root / "out" / "step_1", tmp_path / "hf", capsys)[0] == 0  # the fix it names works
+
+
+def test_an_unfinished_saves_staging_folder_names_the_intact_checkpoints(run, tmp_path, capsys):
+    root, _ = run
+    staging = root / "out" / ".staging"
+    (root / "out" / "step_2").rename(staging)  # a sharded save's folder before its manifest went in: as here
+    (staging / "checkpoint.json").unlink()
+    code, err = _export(staging, tmp_path / "hf", capsys)
+    assert code == 2 and err.count("\n") == 1
+    assert "staging folder of a save that did not finish" in err
+    assert "Intact sharded checkpoints of this run: step_1" in err
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("failure", ["full", "read-only"])
+def test_a_write_that_fails_is_one_line_exit_74_and_the_partial_output_is_removed(run, tmp_path, capsys,
+                                                                                monkeypatch, failure):
+    """safetensors reports a full disk in its own words (no OSError); a read-only folder fails the first mkdir."""
+    import errno
+    from pathlib import Path
+
+    from torchtune_ext.checkpoint import hf_export
+
+    root, _ = run
+    if failure == "full":
+        def save_file(*args, **kwargs):
+            raise RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+        monkeypatch.setattr(hf_export, "save_file", save_file)
+    else:
+        mkdir = Path.mkdir
+
+        def read_only(self, *args, **kwargs):
+            if self.name == "hf.partial":
+                raise OSError(errno.EROFS, "Read-only file system", str(self))
+            return mkdir(self, *args, **kwargs)
+
+        monkeypatch.setattr(Path, "mkdir", read_only)
+    code, err = _export(root / "out" / "step_2", tmp_path / "hf", capsys)
+    assert code == 74 and err.count("\n") == 1 and "Traceback" not in err
+    assert f"error: writing the export to '{tmp_path / 'hf'}' failed (" in err
+    assert "the partial 'hf.partial' was removed" in err
+    if failure == "full":
+        assert "the disk is full (" in err and "free some space, or give an OUT on another disk" in err
+    else:
+        assert "Read-only file system" in err and f"give an OUT in a folder you can write (not '{tmp_path}')" in err
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "hf.partial").exists()

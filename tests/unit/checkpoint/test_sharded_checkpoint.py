@@ -199,6 +199,45 @@ def test_a_failed_asynchronous_save_is_a_failed_save_at_the_next_save_or_wait(as
     manager.wait()  # reported once
 
 
+@pytest.mark.parametrize("room", [False, True])
+def test_torchs_unexpected_pos_error_on_a_filled_disk_is_called_a_full_disk(tmp_path, monkeypatch, room):
+    """torch's stream writer says only "unexpected pos" when the disk fills under it (3 saves in 4 on a full
+    disk): the free space at the failure tells whether the rest of the save could fit, as for a gathered save."""
+    import shutil
+    from collections import namedtuple
+
+    from torchtune_ext.checkpoint import sharded_save
+
+    (tmp_path / "out").mkdir()
+    manager = CheckpointManager(OmegaConf.create({}), str(tmp_path / "out"), sharded_load=True, sharded_saves=True)
+    model = llama()
+    optimizer = trained(model)
+    manager.save_sharded(model, optimizer, progress(1))
+    usage, real_usage, filled = namedtuple("usage", "total used free"), shutil.disk_usage, []
+
+    def disk_usage(path):
+        free = 4096 if filled and not room else real_usage(path).free
+        return usage(2**40, 2**40 - free, free)
+
+    def fills_the_disk(*args, **kwargs):
+        filled.append(True)
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")
+
+    monkeypatch.setattr(sharded_save.shutil, "disk_usage", disk_usage)
+    monkeypatch.setattr(FileSystemWriter, "write_data", fills_the_disk)
+    with pytest.raises(CheckpointSaveError) as err:
+        manager.save_sharded(model, optimizer, progress(2))
+    message = str(err.value)
+    assert "\n" not in message and "unexpected pos" in message
+    if room:  # a write that stopped short with room left: not a full disk
+        assert message.startswith("saving step_2 in output_dir") and "disk filled up" not in message
+    else:
+        assert message.startswith("the disk filled up while saving step_2") and "4 KiB are free now" in message
+        assert "it needs about" in message and "free some space" in message
+    assert not manager.staging.exists() and not (tmp_path / "out" / "step_2").exists()
+    verify_checkpoint(tmp_path / "out" / "step_1", content=True)
+
+
 def test_the_start_up_estimate_bounds_a_final_sharded_checkpoint_with_its_export_closely(tmp_path):
     """The disk estimate of a sharded run (shards + optimizer + the final Hugging Face export) is an upper bound of
     the final checkpoint, the largest one, and a close one; the export equals the base file's layout."""

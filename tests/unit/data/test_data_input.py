@@ -86,6 +86,31 @@ def test_a_data_file_without_records_is_named(tiny_run, tmp_path, content, name)
         build_dataset(cfg.dataset, tt_config.instantiate(cfg.tokenizer))
 
 
+@pytest.mark.parametrize("name", ["records.jsonl", "records.json"])
+def test_invalid_json_is_named_by_its_line_and_column_in_the_file(tiny_run, tmp_path, name):
+    """Line 500 of a JSON Lines file was "row 97" (an Arrow block's row) and "position 1682" (a pandas offset);
+    a JSON list broken on its line 300 likewise. The file's own line and column are named."""
+    from torchtune import config as tt_config
+
+    records = [json.dumps(dict(GOOD, output="yes " * (i % 40))) for i in range(600)]
+    broken = 'Hmm"}'  # an unquoted word where a key must be
+    path = tmp_path / name
+    if name.endswith(".jsonl"):
+        records[499] = records[499][:-1] + ", " + broken
+        path.write_text("\n".join(records) + "\n")
+        column = len(records[499]) - len(broken) + 1
+        where = f"line 500, column {column}"
+    else:
+        records[298] = records[298][:-1] + ", " + broken
+        path.write_text("[\n" + ",\n".join(records) + "\n]\n")
+        where = f"line 300, column {len(records[298]) - len(broken) + 1}"
+    cfg = validate(_with_data(tiny_run, path))
+    with pytest.raises(ConfigError) as err:
+        build_dataset(cfg.dataset, tt_config.instantiate(cfg.tokenizer))
+    assert str(err.value).startswith(f"config key 'dataset': '{path}' is not valid JSON at {where}: Expecting "
+                                     "property name enclosed in double quotes; fix that line")
+
+
 def test_a_dataset_with_no_trainable_token_at_all_stops_before_training(tiny_run):
     """Packs of 8 tokens cut every answer away: every step would be skipped, and the run ended with exit 0."""
     from torchtune import config as tt_config

@@ -440,6 +440,39 @@ def test_data_errors_key_reaches_the_data_pass(tiny_run, tmp_path):
         validate(cfg)
 
 
+def test_token_ids_past_the_models_embedding_are_one_line_before_anything_is_written(tiny_run, tmp_path):
+    """A model with fewer embedding rows than the tokenizer has ids (here 300 against SmolLM2's 49,152) failed at
+    its first forward with a long traceback, after logs/, metrics.jsonl and the lock were made. The data check's
+    pass over every sample compares the largest id with the rows: training data and validation data alike."""
+    from tests.support.helpers import recipe_class
+    from torchtune_ext.run.loop import run_recipe
+
+    out = tmp_path / "out"
+    cfg = OmegaConf.load(tiny_run(**{"model.vocab_size": 300, "output_dir": str(out)}))
+    recipe = recipe_class("recipes/full_finetune_single_device.py", "FullFinetuneRecipeSingleDevice")
+    with pytest.raises(ConfigError) as err:
+        run_recipe(recipe, cfg)
+    message = str(err.value)
+    assert message.startswith("config key 'tokenizer': the tokenizer torchtune_ext.data.tokenizer")
+    assert "\n" not in message
+    assert f"('{cfg.tokenizer.path}') gives token id" in message
+    assert "but the model 'torchtune_ext.model.builders.tiny_llama' has 300 token embeddings (ids 0-299)" in message
+    assert not out.exists() or not any(out.iterdir())  # no logs/, no metrics.jsonl, no lock
+
+    cfg.model.vocab_size = 49_152  # the training data fits; the validation data, tokenized the same, not: refused too
+    cfg.dataset_val, cfg.run_val_every_n_steps = dict(cfg.dataset), 1
+    from torchtune import config as tt_config
+
+    from torchtune_ext.run.evaluate import build_val_loader
+
+    tokenizer = tt_config.instantiate(cfg.tokenizer)
+    checked = validate(cfg)
+    assert build_val_loader(checked, tokenizer, ignore_index=IGNORE, model_vocab_size=49_152) is not None
+    with pytest.raises(ConfigError, match=r"token id \d+ \(dataset_val '.*', sample \d+\), but the model .* has "
+                                          "300 token embeddings"):
+        build_val_loader(checked, tokenizer, ignore_index=IGNORE, model_vocab_size=300)
+
+
 def test_packed_documents_with_nothing_to_learn_are_counted_but_not_split_fragments():
     from torchtune.datasets import PackedDataset
 

@@ -75,6 +75,33 @@ def test_one_loss_spike_warns_two_in_a_row_stop():
         assert quiet.before_update(step, loss, 1.0, 10) is False
 
 
+def test_a_resumed_run_checks_its_first_steps_against_the_losses_before_the_checkpoint():
+    """The history is the run's Progress.healthy_losses, kept in place: a checkpoint saves it, a resume hands it
+    back, and a loss of 303 after 10.6 (a resume with optimizer.lr=5.0) is a spike at once, stopped a step later."""
+    saved = []
+    before = StepHealth(loss_spike_nats=3.0, history=saved)
+    for step, loss in enumerate([10.9, 10.7, 10.6], start=1):
+        before.before_update(step, loss, 1.0, 10)
+    assert saved == [10.9, 10.7, 10.6]
+    resumed = StepHealth(loss_spike_nats=3.0, start_step=3, history=list(saved))
+    resumed.before_update(4, 303.0, 50.0, 10)  # a spike at the first step after the resume: warned
+    with pytest.raises(TrainingHealthError, match="loss jumped at optimizer steps 4 and 5"):
+        resumed.before_update(5, 1.2e9, 50.0, 10)
+    fresh = StepHealth(loss_spike_nats=3.0, start_step=3)  # what a run without the history did: blind
+    fresh.before_update(4, 303.0, 50.0, 10)
+    fresh.before_update(5, 1.2e9, 50.0, 10)
+
+
+def test_the_history_keeps_the_last_window_of_healthy_steps():
+    history = [float(i) for i in range(40)]
+    health = StepHealth(loss_spike_nats=3.0, history=history)
+    assert history == [float(i) for i in range(8, 40)]  # a longer list is cut to the window
+    health.before_update(1, 39.5, 1.0, 10)
+    assert len(history) == 32 and history[0] == 9.0 and history[-1] == 39.5
+    health.before_update(2, 99.0, 1.0, 10)  # a spike: not a healthy loss, not kept
+    assert history[-1] == 39.5
+
+
 def test_run_that_ends_in_skipped_nonfinite_steps_is_not_a_success():
     health = StepHealth(skip_nonfinite_steps=True, start_step=10)
     health.before_update(11, 2.0, 1.0, 10)

@@ -92,6 +92,14 @@ def _no_progress_bars() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
+def _shape_problem(item: Any) -> str:
+    """One of transformers' ``mismatched_keys``, ``(name, shape in the files, shape config.json gives)``, in words."""
+    if isinstance(item, tuple) and len(item) == 3:
+        name, saved, expected = item
+        return (f"{name} is {list(saved)} in the files, but config.json makes it {list(expected)}")
+    return f"{item[0] if isinstance(item, tuple) else item} has another shape"
+
+
 class HFCheckpointer:
     """Reads and writes Hugging Face model folders (see the module docstring).
 
@@ -143,20 +151,31 @@ class HFCheckpointer:
         """
         image_text = self._folder.image_text
         model_class = image_text.model_class if image_text is not None else AutoModelForCausalLM
-        with _no_progress_bars():
-            model, info = model_class.from_pretrained(
-                str(self._checkpoint_dir), dtype="auto", trust_remote_code=self._trust_remote_code,
-                output_loading_info=True)
+        verbosity = hf_logging.get_verbosity()
+        # transformers raises on a shape that does not fit after a many-line report ("look at the above
+        # report!"); the shapes come back in the loading info instead and make the one line below
+        hf_logging.set_verbosity_error()
+        try:
+            with _no_progress_bars():
+                model, info = model_class.from_pretrained(
+                    str(self._checkpoint_dir), dtype="auto", trust_remote_code=self._trust_remote_code,
+                    output_loading_info=True, ignore_mismatched_sizes=True)
+        finally:
+            hf_logging.set_verbosity(verbosity)
         keys = self._language_model_keys(model) if image_text is not None else None
         wanted = set(keys.values()) if keys is not None else None  # a folder without its vision tower is fine
         problems = [f"{key} missing" for key in sorted(info.get("missing_keys") or [])
                     if wanted is None or key in wanted]
-        problems += [f"{item[0] if isinstance(item, tuple) else item} has another shape"
-                     for item in info.get("mismatched_keys") or []
+        problems += [_shape_problem(item) for item in sorted(info.get("mismatched_keys") or [], key=str)
                      if wanted is None or (item[0] if isinstance(item, tuple) else item) in wanted]
         if problems:
+            config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+            heads = ", ".join(f"{k}={getattr(config, k)}" for k in ("num_attention_heads", "num_key_value_heads",
+                                                                   "head_dim", "hidden_size")
+                              if getattr(config, k, None) is not None)
             raise ConfigError("checkpointer.checkpoint_dir", f"the weights in '{self._checkpoint_dir}' do not fit "
-                              f"its config.json: {'; '.join(problems[:3])}")
+                              f"its config.json ({heads}): {'; '.join(problems[:3])}; config.json must describe "
+                              "the weights: use the config.json that came with them, or fix the values it gives")
         if info.get("unexpected_keys"):
             log.warning("%s: weights the model does not use were not loaded: %s", self._checkpoint_dir,
                         ", ".join(sorted(info["unexpected_keys"])[:5]))

@@ -112,6 +112,28 @@ def test_weights_that_do_not_fit_the_config_are_refused(folders, tmp_path):
     assert "model.layers.1.mlp.up_proj.weight missing" in str(err.value)
 
 
+def test_head_counts_that_do_not_fit_the_weights_are_one_line_naming_the_tensor_and_shapes(folders, tmp_path,
+                                                                                           capfd, caplog):
+    """transformers logged an 11-line load report and raised "look at the above report!"."""
+    source = folders("llama")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    config = json.loads((source / "config.json").read_text())
+    heads, head_dim, hidden = config["num_attention_heads"], config["head_dim"], config["hidden_size"]
+    config["num_attention_heads"] = heads * 2
+    (bad / "config.json").write_text(json.dumps(config))
+    (bad / "model.safetensors").write_bytes((source / "model.safetensors").read_bytes())
+    with pytest.raises(ConfigError) as err:
+        HFCheckpointer(bad, tmp_path / "out").load_checkpoint()
+    message = str(err.value)
+    assert err.value.key == "checkpointer.checkpoint_dir" and "\n" not in message
+    assert f"do not fit its config.json (num_attention_heads={heads * 2}, " in message
+    assert (f"model.layers.0.self_attn.o_proj.weight is [{hidden}, {heads * head_dim}] in the files, but config.json "
+            f"makes it [{hidden}, {heads * 2 * head_dim}]") in message
+    assert "config.json must describe the weights" in message
+    assert "LOAD REPORT" not in capfd.readouterr().err + caplog.text  # transformers' own report is not printed
+
+
 # ----------------------------------------------------------------------------- bad model folders
 def write_config(folder, **fields):
     folder.mkdir(parents=True, exist_ok=True)
