@@ -37,7 +37,7 @@ recomputed in backward, the teacher's projection included (under no_grad).
 
 import logging
 import time
-from typing import Any, Callable, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 from torch import nn
@@ -101,12 +101,17 @@ class KDLoss:
             raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
         self.divergence, self.temperature = divergence, float(temperature)
 
-    def __call__(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    def __call__(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor,
+                 student_log_probs: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``T**2 * sum_rows D(teacher, student)`` of ``[rows, vocab]`` logits; the wider vocabulary is cut to the
-        narrower (padding rows of an embedding that no token id reaches)."""
+        narrower (padding rows of an embedding that no token id reaches). ``student_log_probs``: the student's
+        fp32 log-softmax at temperature 1 if already computed (reused when it is the one needed)."""
         width = min(student_logits.size(-1), teacher_logits.size(-1))
         t = self.temperature
-        student = torch.log_softmax(student_logits[:, :width].float() / t, dim=-1)
+        if student_log_probs is not None and t == 1.0 and width == student_logits.size(-1):
+            student = student_log_probs  # one vocabulary-wide log-softmax less per chunk
+        else:
+            student = torch.log_softmax(student_logits[:, :width].float() / t, dim=-1)
         teacher = torch.log_softmax(teacher_logits[:, :width].float() / t, dim=-1)
         return divergence_sum(student, teacher, self.divergence) * (t * t)
 
@@ -226,7 +231,7 @@ class DistillationObjective:
         ce = -log_probs[torch.arange(targets.numel(), device=targets.device), targets].sum(dtype=torch.float32)
         with torch.no_grad():
             teacher_logits = self.teacher_project(teacher_rows)
-        kd = self.kd_loss(logits, teacher_logits)
+        kd = self.kd_loss(logits, teacher_logits, log_probs)
         return torch.stack([ce, kd])
 
     def sums(self, student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, shifted_labels: torch.Tensor,
