@@ -35,6 +35,7 @@ from torchtune_ext.config.lora import LORA_ATTN_MODULES, LoRASettings, lora_sett
 from torchtune_ext.config.schema import (
     BACKWARD_MODES,
     COMMON_KEYS,
+    DISTILLATION_KEYS,
     DISTRIBUTED_KEYS,
     LORA_KEYS,
     NO_DEFAULT,
@@ -47,6 +48,7 @@ from torchtune_ext.errors import ConfigError, UserError
 __all__ = [
     "BACKWARD_MODES",
     "COMMON_KEYS",
+    "DISTILLATION_KEYS",
     "DISTRIBUTED_KEYS",
     "LORA_ATTN_MODULES",
     "LORA_KEYS",

@@ -8,7 +8,7 @@
 import json
 from typing import Any, Dict, List
 
-from torchtune_ext.config.schema import COMMON_KEYS, DISTRIBUTED_KEYS, LORA_KEYS, NO_DEFAULT, Key
+from torchtune_ext.config.schema import COMMON_KEYS, DISTILLATION_KEYS, DISTRIBUTED_KEYS, LORA_KEYS, NO_DEFAULT, Key
 
 # (section title, what it covers, keys)
 SECTIONS = (
@@ -17,6 +17,8 @@ SECTIONS = (
      DISTRIBUTED_KEYS),
     ("LoRA keys", "Read by the LoRA recipes (`lora_*.py`), besides the common keys; they replace a common key of "
      "the same name.", LORA_KEYS),
+    ("Distillation keys", "Read by the knowledge-distillation recipes (`knowledge_distillation_*.py`), besides the "
+     "common keys (and the LoRA keys for a LoRA student; docs/distillation.md).", DISTILLATION_KEYS),
 )
 
 INTRO = """# Configuration

@@ -1,7 +1,8 @@
 """The schema: every key the recipes read, with its default, its check and what it means.
 
 :data:`COMMON_KEYS` are read by every recipe; the distributed recipes add
-:data:`DISTRIBUTED_KEYS`, the LoRA recipes :data:`LORA_KEYS`
+:data:`DISTRIBUTED_KEYS`, the LoRA recipes :data:`LORA_KEYS`, the distillation recipes
+:data:`DISTILLATION_KEYS`
 (:func:`torchtune_ext.config.validate` takes them as ``extra_keys``).
 ``docs/configuration.md`` is generated from these tables
 (``python -m torchtune_ext.config.docs``).
@@ -27,6 +28,7 @@ from torchtune_ext.config.checkers import (
     switched_off,
     text_model,
 )
+from torchtune_ext.config.distillation import optional_dtype, unit_interval
 from torchtune_ext.config.lora import lora_settings
 from torchtune_ext.errors import ConfigError
 
@@ -305,6 +307,29 @@ LORA_KEYS: Dict[str, Key] = {
     "low_cpu_ram": Key(False, boolean, doc=(
         "QLoRA: torchtune's state-dict hook that dequantizes NF4 weights through a memory-mapped file instead of "
         "RAM (Linux; the single-device recipe).")),
+}
+
+
+# Keys of the knowledge-distillation recipes, on top of COMMON_KEYS (and LORA_KEYS for a LoRA student).
+DISTILLATION_KEYS: Dict[str, Key] = {
+    "teacher_model": Key(None, optional_component_node, doc=(
+        "The teacher's torchtune builder (as torchtune's KD configs), loaded by teacher_checkpointer; or null "
+        "with teacher_model_dir. Frozen, in eval mode, never saved; it must share the student's vocabulary.")),
+    "teacher_checkpointer": Key(None, optional_component_node, doc=(
+        "The checkpointer that loads teacher_model's weights (checkpoint_dir, checkpoint_files, model_type).")),
+    "teacher_model_dir": Key(None, optional_string, doc=(
+        "A Hugging Face folder holding the teacher (transformers builds it), instead of teacher_model and "
+        "teacher_checkpointer.")),
+    "teacher_dtype": Key(None, optional_dtype, doc=(
+        "The teacher's dtype: null is the student's (dtype); fp32, bf16 or fp16.")),
+    "kd_loss": Key({"_component_": "torchtune_ext.train.distill.KDLoss", "divergence": "forward_kl",
+                    "temperature": 1.0}, component_node, doc=(
+        "The divergence from the teacher: torchtune_ext.train.distill.KDLoss (divergence: forward_kl, reverse_kl "
+        "or jsd; temperature), or torchtune's ForwardKLLoss / ForwardKLWithChunkedOutputLoss (forward KL); summed "
+        "per trainable token like the CE, chunked as loss.num_output_chunks says.")),
+    "kd_ratio": Key(0.5, unit_interval, doc=(
+        "The step loss is (1 - kd_ratio) * CE + kd_ratio * KD, each summed over the step's trainable tokens and "
+        "divided once by their number (torchtune's definition).")),
 }
 
 

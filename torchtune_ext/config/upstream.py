@@ -26,7 +26,8 @@ from torchtune_ext.moved import canonical
 
 # The recipes of this repository, by the name torchtune gives its own.
 RECIPES = ("full_finetune_single_device", "full_finetune_distributed",
-           "lora_finetune_single_device", "lora_finetune_distributed")
+           "lora_finetune_single_device", "lora_finetune_distributed",
+           "knowledge_distillation_single_device", "knowledge_distillation_distributed")
 
 _OUR_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 

@@ -19,6 +19,9 @@ DEFAULT_ASSETS_DIR = "assets"
 
 # Paths inside the assets folder. The repository's configs point at these.
 SMOLLM2_DIRNAME = "SmolLM2-135M-Instruct"
+# The distillation demo's student: the teacher's first 10 layers (torchtune_ext.tools.student).
+STUDENT_DIRNAME = "SmolLM2-135M-Instruct-10L"
+STUDENT_LAYERS = 10
 ALPACA_RELPATH = "data/alpaca_en_demo.json"
 SHAKESPEARE_RELPATH = "data/shakespeare.jsonl"
 MANIFEST_RELPATH = "MANIFEST.json"
@@ -31,8 +34,9 @@ SHAKESPEARE_PATH = f"{DEFAULT_ASSETS_DIR}/{SHAKESPEARE_RELPATH}"
 def _output_dir_of(path: Path) -> Path | None:
     """The ``--output-dir`` that creates ``path``, or None if it is not an asset path."""
     parts = path.parts
-    if SMOLLM2_DIRNAME in parts:  # the model folder or a file inside it
-        return Path(*parts[: parts.index(SMOLLM2_DIRNAME)] or ".")
+    for dirname in (SMOLLM2_DIRNAME, STUDENT_DIRNAME):
+        if dirname in parts:  # the model folder or a file inside it
+            return Path(*parts[: parts.index(dirname)] or ".")
     for rel in (ALPACA_RELPATH, SHAKESPEARE_RELPATH, MANIFEST_RELPATH):
         n = len(Path(rel).parts)
         if parts[-n:] == Path(rel).parts:

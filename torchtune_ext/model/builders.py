@@ -34,7 +34,7 @@ _SMOLLM2_135M = dict(
     tie_word_embeddings=True,
 )
 
-def smollm2_135m(max_seq_len: int = 8192) -> TransformerDecoder:
+def smollm2_135m(max_seq_len: int = 8192, num_layers: int = 30) -> TransformerDecoder:
     """SmolLM2-135M (base or Instruct; same architecture), 134.5M parameters.
 
     Load weights with ``FullModelHFCheckpointer(model_type="LLAMA3_2")`` from
@@ -43,12 +43,14 @@ def smollm2_135m(max_seq_len: int = 8192) -> TransformerDecoder:
     Args:
         max_seq_len: longest sequence the RoPE cache and KV cache are sized for,
             in tokens. SmolLM2 was trained with 8192.
+        num_layers: decoder layers; 10 builds the distillation demo's student
+            (``assets/SmolLM2-135M-Instruct-10L``, the first 10 of the 30).
 
     Returns:
         A torchtune ``TransformerDecoder``; ``model(tokens)`` maps ``[b, s]``
         token ids to ``[b, s, 49152]`` fp32 logits.
     """
-    return llama3_2(max_seq_len=max_seq_len, **_SMOLLM2_135M)
+    return llama3_2(max_seq_len=max_seq_len, **{**_SMOLLM2_135M, "num_layers": num_layers})
 
 def lora_smollm2_135m(
     lora_attn_modules: list[LORA_ATTN_MODULES],
@@ -60,6 +62,7 @@ def lora_smollm2_135m(
     use_dora: bool = False,
     max_seq_len: int = 8192,
     quantize_base: bool = False,
+    num_layers: int = 30,
 ) -> TransformerDecoder:
     """SmolLM2-135M with LoRA (or DoRA) adapters.
 
@@ -78,6 +81,7 @@ def lora_smollm2_135m(
             torchao's NF4. SmolLM2's 576 x 576 and 192 x 576 attention
             projections are not multiples of NF4's 16,384-value blocks, so
             this raises (the recipes turn it into a config error).
+        num_layers: as in :func:`smollm2_135m`.
 
     Returns:
         A ``TransformerDecoder`` whose base weights load from the same
@@ -97,7 +101,7 @@ def lora_smollm2_135m(
         use_dora=use_dora,
         max_seq_len=max_seq_len,
         quantize_base=quantize_base,
-        **_SMOLLM2_135M,
+        **{**_SMOLLM2_135M, "num_layers": num_layers},
     )
 
 def initialize_torchtune_adapters(model: nn.Module, seed: int) -> None:

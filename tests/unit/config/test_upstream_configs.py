@@ -26,7 +26,7 @@ import torch
 from omegaconf import OmegaConf
 
 from tests.support.helpers import REPO_ROOT
-from torchtune_ext.config import DISTRIBUTED_KEYS, LORA_KEYS, ConfigError, validate
+from torchtune_ext.config import DISTILLATION_KEYS, DISTRIBUTED_KEYS, LORA_KEYS, ConfigError, validate
 from torchtune_ext.config.upstream import FAMILY_MODEL_TYPES, RECIPES, download_command, model_family, packaged_configs
 from torchtune_ext.model.build import is_hf_config
 
@@ -35,7 +35,18 @@ SCHEMAS = {
     "full_finetune_distributed": DISTRIBUTED_KEYS,
     "lora_finetune_single_device": LORA_KEYS,
     "lora_finetune_distributed": {**LORA_KEYS, **DISTRIBUTED_KEYS},
+    # the distillation recipes add the LoRA keys for a LoRA student only (schema_for)
+    "knowledge_distillation_single_device": DISTILLATION_KEYS,
+    "knowledge_distillation_distributed": {**DISTILLATION_KEYS, **DISTRIBUTED_KEYS},
 }
+
+
+def schema_for(recipe: str, cfg):
+    from torchtune_ext.run.distillation import student_is_lora
+
+    if recipe.startswith("knowledge_distillation") and student_is_lora(cfg.model):
+        return {**SCHEMAS[recipe], **LORA_KEYS}
+    return SCHEMAS[recipe]
 
 
 def _our_recipe(path: Path) -> str:
@@ -55,7 +66,7 @@ OURS = [(_our_recipe(path), str(path.relative_to(REPO_ROOT)), path)
 
 
 def test_the_list_is_torchtunes():
-    assert len(UPSTREAM) == 121  # torchtune 0.6.1: 17 + 27 + 41 + 36
+    assert len(UPSTREAM) == 125  # torchtune 0.6.1: 17 + 27 + 41 + 36, and 2 + 2 for knowledge distillation
     assert len({name for _, name, _ in UPSTREAM}) == len(UPSTREAM)
 
 
@@ -170,7 +181,7 @@ def _check(recipe: str, name: str, path: Path, tmp_path: Path) -> None:
     cfg = OmegaConf.load(path)
     cfg.output_dir = str(tmp_path / "out")
     component = cfg.model._component_
-    schema = SCHEMAS[recipe]
+    schema = schema_for(recipe, cfg)
     if component.startswith("torchtune.models.llama3_2_vision"):
         with pytest.raises(ConfigError, match="multimodal") as err:
             validate(cfg, extra_keys=schema)
@@ -217,3 +228,24 @@ def test_torchtune_config_runs_unchanged(recipe, name, path, tmp_path, pretend_c
 @pytest.mark.parametrize("recipe,name,path", OURS, ids=[n for _, n, _ in OURS])
 def test_our_config(recipe, name, path, tmp_path, pretend_cuda):
     _check(recipe, name, path, tmp_path)
+
+
+KD_UPSTREAM = [(recipe, name, path) for recipe, name, path in UPSTREAM if recipe.startswith("knowledge_distillation")]
+
+
+@pytest.mark.parametrize("recipe,name,path", KD_UPSTREAM, ids=[n for _, n, _ in KD_UPSTREAM])
+def test_torchtune_kd_config_without_weights_names_both_downloads(recipe, name, path):
+    """torchtune's 4 KD configs: with neither model downloaded, one line names the teacher's and the student's
+    `tune download` commands (the distillation recipes check the teacher first)."""
+    from torchtune_ext.config.distillation import check_teacher
+
+    cfg = OmegaConf.load(path)
+    student, teacher = cfg.checkpointer.checkpoint_dir, cfg.teacher_checkpointer.checkpoint_dir
+    if Path(student).exists() or Path(teacher).exists():
+        pytest.skip("a model of this config is downloaded here")
+    with pytest.raises(ConfigError) as err:
+        check_teacher(cfg)
+    assert err.value.key == "teacher_checkpointer.checkpoint_dir" and "\n" not in str(err.value)
+    commands = [download_command(student), download_command(teacher)]
+    assert all(c and c.startswith("tune download ") for c in commands) and commands[0] != commands[1]
+    assert all(f"`{c}`" in str(err.value) for c in commands)

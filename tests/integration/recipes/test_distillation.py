@@ -1,0 +1,119 @@
+"""The distillation recipe, in process on tiny checkpoints: one LoRA run and one full run.
+
+The teacher is a random 3-layer ``tiny_llama``, the student a 2-layer one with
+the same (SmolLM2) vocabulary. What the recipe adds is checked here: the
+logged loss is ``(1 - kd_ratio) * ce_loss + kd_ratio * kd_loss`` over the
+step's trainable tokens, the teacher is frozen and absent from every
+checkpoint, the student alone trains; the exactness of the loss itself is
+tests/unit/train/test_distill.py.
+"""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.support.helpers import read_jsonl, recipe_class, run_recipe, tiny_alpaca16_config
+from torchtune_ext.config import ConfigError, validate
+from torchtune_ext.run.distillation import distillation_keys
+
+RECIPE = recipe_class("recipes/knowledge_distillation_single_device.py", "KDRecipeSingleDevice")
+TINY_LORA = {"_component_": "torchtune_ext.model.builders.lora_tiny_llama", "lora_attn_modules": ["q_proj", "v_proj"],
+             "apply_lora_to_mlp": True, "apply_lora_to_output": False, "lora_rank": 4, "lora_alpha": 8}
+TINY = {"_component_": "torchtune_ext.model.builders.tiny_llama"}
+KD_RATIO = 0.3
+
+
+def write_teacher(path, num_layers=3, vocab_size=49_152):
+    """A random tiny_llama of ``num_layers`` layers as an HF checkpoint folder; returns its HF state dict."""
+    from safetensors.torch import save_file
+    from torchtune.models import convert_weights
+
+    from torchtune_ext.model.builders import tiny_llama
+
+    torch.manual_seed(11)
+    model = tiny_llama(num_layers=num_layers, vocab_size=vocab_size)
+    torch.nn.init.normal_(model.tok_embeddings.weight, std=0.02)
+    hf = convert_weights.tune_to_hf(model.state_dict(), num_heads=4, num_kv_heads=2, dim=64, head_dim=16)
+    path.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in hf.items()}, path / "model.safetensors")
+    (path / "config.json").write_text(json.dumps({"num_attention_heads": 4, "num_key_value_heads": 2,
+                                                  "hidden_size": 64, "head_dim": 16, "tie_word_embeddings": True}))
+    return hf
+
+
+def kd_config(assets, tmp_path, name, model, *overrides):
+    teacher_dir = tmp_path / "teacher"
+    if not teacher_dir.exists():
+        write_teacher(teacher_dir)
+    cfg = tiny_alpaca16_config(
+        "configs/smollm2/135M_KD_lora_single_device.yaml", model, assets, tmp_path, tmp_path / name,
+        f"teacher_checkpointer.checkpoint_dir={teacher_dir}", f"kd_ratio={KD_RATIO}", "max_steps_per_epoch=3",
+        "batch_size=2", "gradient_accumulation_steps=2", "optimizer.lr=1e-3", "lr_scheduler.num_warmup_steps=1",
+        *overrides)
+    cfg.teacher_model = {"_component_": "torchtune_ext.model.builders.tiny_llama", "num_layers": 3}
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def runs(smollm2_assets, tmp_path_factory):
+    """One LoRA and one full distillation run (3 steps of 2 x 2 samples each): (recipe, checked config) by name."""
+    tmp = tmp_path_factory.mktemp("kd")
+    out = {}
+    for name, model in (("lora", TINY_LORA), ("full", TINY)):
+        cfg = kd_config(smollm2_assets, tmp, name, model)
+        cfg = validate(cfg, extra_keys=distillation_keys(cfg))
+        out[name] = (run_recipe(RECIPE, cfg), cfg)
+    return out
+
+
+@pytest.mark.parametrize("name", ["lora", "full"])
+def test_logged_loss_is_the_weighted_sum_of_its_terms(runs, name):
+    recipe, cfg = runs[name]
+    rows = read_jsonl(f"{cfg.output_dir}/logs/metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["kd_loss"] > 0 and r["ce_loss"] > 0 and r["num_tokens"] > 0
+        assert abs(r["loss"] - ((1 - KD_RATIO) * r["ce_loss"] + KD_RATIO * r["kd_loss"])) <= 1e-5 * r["loss"]
+
+
+@pytest.mark.parametrize("name", ["lora", "full"])
+def test_teacher_is_frozen_and_never_saved(runs, name):
+    recipe, cfg = runs[name]
+    teacher = recipe.run.teacher
+    assert not teacher.training and not any(p.requires_grad for p in teacher.parameters())
+    optimized = {id(p) for group in recipe.run.optimizer.param_groups for p in group["params"]}
+    assert not optimized & {id(p) for p in teacher.parameters()}
+    # the teacher's weights are unchanged (compared with its file), its third layer is nowhere in the checkpoint
+    on_disk = load_file(f"{cfg.teacher_checkpointer.checkpoint_dir}/model.safetensors")
+    assert torch.equal(teacher.tok_embeddings.weight, on_disk["model.embed_tokens.weight"])
+    saved = load_file(f"{cfg.output_dir}/step_3/model-00001-of-00001.safetensors")
+    assert any(k.startswith("model.layers.1.") for k in saved)
+    assert not any(k.startswith("model.layers.2.") for k in saved)
+    student = {n for n, p in recipe.model.named_parameters() if p.requires_grad}
+    assert student and (name == "full") == (len(student) == len(list(recipe.model.parameters())))
+
+
+def test_bad_distillation_input_is_one_line(smollm2_assets, tmp_path):
+    """kd_ratio outside [0, 1], no teacher, another vocabulary: a config error naming the key, before any load."""
+    cfg = kd_config(smollm2_assets, tmp_path, "bad", TINY, "kd_ratio=1.5")
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, extra_keys=distillation_keys(cfg))
+    assert err.value.key == "kd_ratio"
+    no_teacher = kd_config(smollm2_assets, tmp_path, "bad", TINY)
+    no_teacher.teacher_model = None
+    with pytest.raises(ConfigError) as err:
+        distillation_keys(no_teacher)
+    assert err.value.key == "teacher_model"
+    other = kd_config(smollm2_assets, tmp_path, "other", TINY)
+    other.teacher_model.vocab_size = 1000
+    other = validate(other, extra_keys=distillation_keys(other))
+    recipe = RECIPE(other)
+    try:
+        with pytest.raises(ConfigError, match="vocabulary") as err:
+            recipe.setup()
+    finally:
+        recipe.cleanup()
+    assert err.value.key == "teacher_model" and "\n" not in str(err.value)
+    assert not (tmp_path / "other" / "logs").exists()  # refused before the run wrote anything

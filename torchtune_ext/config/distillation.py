@@ -1,0 +1,73 @@
+"""The distillation recipes' config: what a value may be, and the teacher's keys together.
+
+The keys and their defaults are in the one schema
+(:data:`torchtune_ext.config.schema.DISTILLATION_KEYS`); here are their checks
+and :func:`check_teacher`, which the distillation recipes run on the config
+as given, before anything else: a teacher named twice or not at all, or
+whose weights are not downloaded, is one line naming the key and the fix
+(for torchtune's packaged KD configs: both ``tune download`` commands).
+"""
+
+import os
+from typing import Any
+
+from omegaconf import DictConfig
+
+from torchtune_ext.config.upstream import download_command
+from torchtune_ext.errors import DOWNLOAD_COMMAND, ConfigError
+
+# The dtypes a teacher may run in besides the student's (torchtune's names).
+TEACHER_DTYPES = ("fp32", "bf16", "fp16")
+
+
+def unit_interval(key: str, value: Any) -> None:
+    """A number in [0, 1] (``kd_ratio``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ConfigError(key, f"expected a number in [0, 1] (the weight of the distillation term; 0 is "
+                          f"fine-tuning, 1 distillation alone), got {value!r}")
+
+
+def optional_dtype(key: str, value: Any) -> None:
+    """null (the student's dtype) or one of :data:`TEACHER_DTYPES`."""
+    if value is not None and value not in TEACHER_DTYPES:
+        raise ConfigError(key, f"expected null (the student's dtype) or one of {', '.join(TEACHER_DTYPES)}, "
+                          f"got {value!r}")
+
+
+def _download_hint(path: str) -> str:
+    norm = os.path.normpath(path)
+    if norm == "assets" or norm.startswith("assets" + os.sep):
+        return f"`{DOWNLOAD_COMMAND}`"
+    command = download_command(path)
+    return f"`{command}`" if command else "its download"
+
+
+def check_teacher(cfg: DictConfig) -> None:
+    """The teacher's keys of a distillation config, before the config check and before any work.
+
+    Exactly one teacher: ``teacher_model`` with ``teacher_checkpointer``
+    (torchtune's builders and checkpointers, as torchtune's KD configs spell
+    them) or ``teacher_model_dir`` (a Hugging Face folder). Its folder must
+    exist; if the student's is missing too, the line names both downloads.
+
+    Raises:
+        ConfigError: naming the key and the fix.
+    """
+    builder, folder = cfg.get("teacher_model"), cfg.get("teacher_model_dir")
+    if builder is None and folder is None:
+        raise ConfigError("teacher_model", "is required to distil: a torchtune builder with teacher_checkpointer "
+                          "(as torchtune's KD configs), or teacher_model_dir=<Hugging Face folder>")
+    if builder is not None and folder is not None:
+        raise ConfigError("teacher_model_dir", "and teacher_model both name a teacher: keep one")
+    if builder is not None and cfg.get("teacher_checkpointer") is None:
+        raise ConfigError("teacher_checkpointer", "is required with teacher_model: the checkpointer that loads "
+                          "the teacher's weights (checkpoint_dir, checkpoint_files, model_type)")
+    key, path = (("teacher_model_dir", str(folder)) if folder is not None
+                 else ("teacher_checkpointer.checkpoint_dir", str(cfg.teacher_checkpointer.get("checkpoint_dir"))))
+    if os.path.isdir(path):
+        return
+    student = cfg.get("checkpointer", {}).get("checkpoint_dir") if cfg.get("checkpointer") is not None else None
+    if student is not None and not os.path.isdir(str(student)):
+        raise ConfigError(key, f"'{path}' does not exist, nor the student's '{student}'. Download both first: "
+                          f"{_download_hint(str(student))} and {_download_hint(path)}")
+    raise ConfigError(key, f"'{path}' does not exist. Download the teacher first: {_download_hint(path)}")

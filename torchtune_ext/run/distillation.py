@@ -1,0 +1,74 @@
+"""What a distillation recipe adds to the fine-tuning run: the teacher and the objective that uses it.
+
+The loop, accounting, checkpointing, resume and metrics are the fine-tuning
+run's (:mod:`torchtune_ext.run.loop`); a distillation recipe calls
+:func:`distil` between building its student and
+:meth:`~torchtune_ext.run.loop.TrainingRun.setup_training`, so that training
+and validation optimize and measure
+``(1 - kd_ratio) * CE + kd_ratio * KD`` per trainable token
+(:class:`torchtune_ext.train.distill.DistillationObjective`). The teacher is
+no part of the student: the optimizer and the checkpoints never see it.
+"""
+
+from typing import Any, Dict, Optional
+
+from omegaconf import DictConfig
+
+from torchtune_ext import config as recipe_config
+from torchtune_ext.config.distillation import check_teacher
+from torchtune_ext.data.tokenizer import build_tokenizer
+from torchtune_ext.model.teacher import build_teacher, check_vocabulary
+from torchtune_ext.train.distill import DistillationObjective, build_kd_loss
+
+
+def student_is_lora(cfg_model: Any) -> bool:
+    """Whether the ``model`` node builds a LoRA student (a ``lora_*`` / ``qlora_*`` builder): only its
+    adapters train; otherwise every student parameter does."""
+    name = str(cfg_model.get("_component_", "")).rsplit(".", 1)[-1]
+    return name.startswith(("lora_", "qlora_"))
+
+
+def distillation_keys(cfg: DictConfig, distributed: bool = False) -> Dict[str, recipe_config.Key]:
+    """The recipe's keys beyond the common ones, after the teacher's keys are checked
+    (:func:`torchtune_ext.config.distillation.check_teacher`): distillation, LoRA for a LoRA student, FSDP2."""
+    check_teacher(cfg)
+    keys = dict(recipe_config.DISTILLATION_KEYS)
+    if student_is_lora(cfg.get("model", {})):
+        keys.update(recipe_config.LORA_KEYS)
+    if distributed:
+        keys.update(recipe_config.DISTRIBUTED_KEYS)
+    return keys
+
+
+def check_teacher_vocabulary(cfg: DictConfig) -> None:
+    """Refuse a teacher with another vocabulary than the student's, before anything loads
+    (:func:`torchtune_ext.model.teacher.check_vocabulary`, on the meta device)."""
+    check_vocabulary(cfg, build_tokenizer(cfg.tokenizer))
+
+
+def distil(run: Any, *, shard: Optional[dict] = None) -> DistillationObjective:
+    """Build the frozen teacher and make the run optimize the distillation objective.
+
+    Call after ``run.load_data_and_checkpoint()`` (the tokenizer and the CE
+    loss exist) and before ``run.setup_training()`` (validation takes the
+    run's objective).
+
+    Args:
+        run: the recipe's :class:`~torchtune_ext.run.loop.TrainingRun`.
+        shard: distributed: FSDP2 arguments for the teacher (:func:`torchtune_ext.model.teacher.build_teacher`).
+
+    Returns:
+        the objective now in ``run.objective``.
+
+    Raises:
+        ConfigError: a bad ``kd_loss``.
+    """
+    cfg = run.cfg
+    kd_loss = build_kd_loss(cfg.kd_loss, run.loss_fn.ignore_index)
+    teacher, project = build_teacher(cfg, run.device, shard=shard)
+    run.teacher = teacher
+    run.objective = DistillationObjective(run.loss_fn, teacher, project, kd_loss, cfg.kd_ratio)
+    run.log(f"Teacher: {sum(p.numel() for p in teacher.parameters()):,} parameters, frozen, "
+            f"{next(teacher.parameters()).dtype}; kd_ratio {cfg.kd_ratio}, {kd_loss.divergence} at temperature "
+            f"{kd_loss.temperature:g}")
+    return run.objective
