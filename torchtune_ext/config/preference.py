@@ -33,6 +33,8 @@ _LOSSES: Dict[str, Tuple[Tuple[str, ...], str]] = {
     PREFERENCE_LOSS: (("loss_type", "beta", "label_smoothing", "gamma"), ""),
 }
 
+PREFERENCE_LOSSES = tuple(_LOSSES)  # the loss components a preference recipe accepts
+
 
 def preference_loss_arguments(value: Any) -> Dict[str, Any]:
     """The :class:`~torchtune_ext.train.preference.PreferenceLoss` arguments a checked ``loss`` node means

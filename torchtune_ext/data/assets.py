@@ -21,6 +21,7 @@ DEFAULT_ASSETS_DIR = "assets"
 SMOLLM2_DIRNAME = "SmolLM2-135M-Instruct"
 ALPACA_RELPATH = "data/alpaca_en_demo.json"
 SHAKESPEARE_RELPATH = "data/shakespeare.jsonl"
+PREFERENCE_RELPATH = "data/dpo_en_demo_pairs.jsonl"  # preference pairs (chosen/rejected) for the DPO configs
 MANIFEST_RELPATH = "MANIFEST.json"
 
 SMOLLM2_DIR = f"{DEFAULT_ASSETS_DIR}/{SMOLLM2_DIRNAME}"
@@ -33,7 +34,7 @@ def _output_dir_of(path: Path) -> Path | None:
     parts = path.parts
     if SMOLLM2_DIRNAME in parts:  # the model folder or a file inside it
         return Path(*parts[: parts.index(SMOLLM2_DIRNAME)] or ".")
-    for rel in (ALPACA_RELPATH, SHAKESPEARE_RELPATH, MANIFEST_RELPATH):
+    for rel in (ALPACA_RELPATH, SHAKESPEARE_RELPATH, PREFERENCE_RELPATH, MANIFEST_RELPATH):
         n = len(Path(rel).parts)
         if parts[-n:] == Path(rel).parts:
             return Path(*parts[:-n] or ".")

@@ -79,16 +79,21 @@ def _trainable_after_shift(labels: Sequence[int], ignore_index: int) -> int:
     return sum(1 for label in list(labels)[1:] if label != ignore_index)
 
 
-def check_pairs(dataset: Dataset, key: str, *, ignore_index: int, model_max_seq_len: Optional[int] = None) -> None:
+def check_pairs(dataset: Dataset, key: str, *, ignore_index: int, model_max_seq_len: Optional[int] = None,
+                cfg_dataset: Any = None) -> None:
     """Read every pair once: both responses present, each with a trainable token, none longer than the model.
 
     Raises:
-        ConfigError: (key ``key``) samples without the chosen/rejected fields (not a preference dataset),
+        ConfigError: (key ``key``) a record the dataset cannot read (a missing ``chosen`` or ``rejected``
+            column: map it with ``column_map``), samples without the chosen/rejected fields (not a preference dataset),
             a response with no trainable token (empty, or cut away at ``tokenizer.max_seq_len``), a
             sequence longer than ``model_max_seq_len``; each naming the first sample's index.
     """
     for index in range(len(dataset)):
-        pair = dataset[index]
+        try:
+            pair = dataset[index]
+        except Exception as err:  # a record without the columns its transform reads (chosen, rejected)
+            raise explain_unreadable(err, key, cfg_dataset or {}, index) from err
         missing = [name for name in PAIR_KEYS if name not in pair]
         if missing:
             raise ConfigError(key, f"sample {index} has no {', '.join(missing)}: not a preference dataset; use "
@@ -118,7 +123,8 @@ def build_pair_dataset(cfg_dataset: Any, tokenizer: Any, key: str = "dataset", *
             datasets.append(tt_config.instantiate(cfg, tokenizer))
         except Exception as err:  # the datasets library raises many types for unreadable files
             raise explain_unreadable(err, item, cfg) from err
-        check_pairs(datasets[-1], item, ignore_index=ignore_index, model_max_seq_len=model_max_seq_len)
+        check_pairs(datasets[-1], item, ignore_index=ignore_index, model_max_seq_len=model_max_seq_len,
+                    cfg_dataset=cfg)
     dataset = datasets[0] if len(datasets) == 1 else ConcatDataset(datasets)
     if len(dataset) == 0:
         raise ConfigError(key, "the dataset yields zero pairs")

@@ -11,9 +11,10 @@ metrics -- is the shared run's. The recipe gives the reference model
 (:meth:`PreferenceRun.use_reference`) once it has built its model.
 """
 
-from typing import Callable, ContextManager, Optional
+from typing import Any, Callable, ContextManager, Dict, Optional
 
 from torch import nn
+from torchtune import training
 
 from torchtune_ext.config import validation_enabled
 from torchtune_ext.config.preference import preference_loss_arguments
@@ -62,3 +63,18 @@ class PreferenceRun(TrainingRun):
         """
         kwargs = {"context": context} if context is not None else {}
         self.objective.use_reference(ModelReference(model, lm or self.loss_fn, **kwargs))
+
+    def reference_state(self, checkpoint: Dict[str, Any]) -> Dict[str, Any]:
+        """The reference's weights: the base checkpoint's (``checkpoint`` itself unless the run resumed, whose
+        checkpoint holds the trained policy)."""
+        if self.resume_from is None:
+            return checkpoint[training.MODEL_KEY]
+        return self.checkpoints.load(None)[training.MODEL_KEY]
+
+    def use_frozen_reference(self, model: nn.Module) -> None:
+        """A separate reference model (full fine-tuning): frozen, in eval mode, with its own output projection."""
+        model.requires_grad_(False)
+        model.eval()
+        lm = SummedCrossEntropyLoss(token_metrics=False)
+        lm.take_output_projection(model)
+        self.use_reference(model, lm)

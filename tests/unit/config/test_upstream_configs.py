@@ -27,6 +27,7 @@ from omegaconf import OmegaConf
 
 from tests.support.helpers import REPO_ROOT
 from torchtune_ext.config import DISTRIBUTED_KEYS, LORA_KEYS, ConfigError, validate
+from torchtune_ext.config.preference import PREFERENCE_KEYS
 from torchtune_ext.config.upstream import FAMILY_MODEL_TYPES, RECIPES, download_command, model_family, packaged_configs
 from torchtune_ext.model.build import is_hf_config
 
@@ -35,6 +36,10 @@ SCHEMAS = {
     "full_finetune_distributed": DISTRIBUTED_KEYS,
     "lora_finetune_single_device": LORA_KEYS,
     "lora_finetune_distributed": {**LORA_KEYS, **DISTRIBUTED_KEYS},
+    "full_dpo_single_device": PREFERENCE_KEYS,
+    "full_dpo_distributed": {**DISTRIBUTED_KEYS, **PREFERENCE_KEYS},
+    "lora_dpo_single_device": {**LORA_KEYS, **PREFERENCE_KEYS},
+    "lora_dpo_distributed": {**LORA_KEYS, **DISTRIBUTED_KEYS, **PREFERENCE_KEYS},
 }
 
 
@@ -55,7 +60,7 @@ OURS = [(_our_recipe(path), str(path.relative_to(REPO_ROOT)), path)
 
 
 def test_the_list_is_torchtunes():
-    assert len(UPSTREAM) == 121  # torchtune 0.6.1: 17 + 27 + 41 + 36
+    assert len(UPSTREAM) == 126  # torchtune 0.6.1: 17 + 27 + 41 + 36, and 5 DPO configs (0 + 1 + 2 + 2)
     assert len({name for _, name, _ in UPSTREAM}) == len(UPSTREAM)
 
 
