@@ -8,6 +8,7 @@
 import json
 from typing import Any, Dict, List
 
+from torchtune_ext.config.preference import PREFERENCE_KEYS
 from torchtune_ext.config.schema import COMMON_KEYS, DISTRIBUTED_KEYS, LORA_KEYS, NO_DEFAULT, Key
 
 # (section title, what it covers, keys)
@@ -17,6 +18,8 @@ SECTIONS = (
      DISTRIBUTED_KEYS),
     ("LoRA keys", "Read by the LoRA recipes (`lora_*.py`), besides the common keys; they replace a common key of "
      "the same name.", LORA_KEYS),
+    ("Preference keys", "Read by the preference recipes (`*_dpo_*.py`, [preference](preference.md)), besides the "
+     "common keys (and the LoRA or distributed ones); they replace a common key of the same name.", PREFERENCE_KEYS),
 )
 
 INTRO = """# Configuration

@@ -14,42 +14,21 @@ import math
 import pytest
 import torch
 
-from tests.support.helpers import read_jsonl, recipe_class, run_recipe, tiny_recipe_config, write_tiny_hf_checkpoint
-from torchtune_ext.config import LORA_KEYS, ConfigError, validate
-from torchtune_ext.config.preference import PREFERENCE_KEYS
+from tests.support.dpo_tiny import RUNS as DPO_RUNS
+from tests.support.dpo_tiny import tiny_dpo_config, write_tiny_pairs
+from tests.support.helpers import read_jsonl, recipe_class, run_recipe
+from torchtune_ext.config import ConfigError
 
-TINY_LORA = dict(_component_="torchtune_ext.model.builders.lora_tiny_llama", lora_attn_modules=["q_proj", "v_proj"],
-                 apply_lora_to_mlp=False, apply_lora_to_output=False, lora_rank=4, lora_alpha=8, lora_dropout=0.0)
-TINY = dict(_component_="torchtune_ext.model.builders.tiny_llama")
-RUNS = {
-    "lora": ("recipes/lora_dpo_single_device.py", "LoRADPORecipeSingleDevice",
-             "configs/smollm2/135M_lora_dpo_single_device.yaml", TINY_LORA, {**LORA_KEYS, **PREFERENCE_KEYS}),
-    "full": ("recipes/full_dpo_single_device.py", "FullDPORecipeSingleDevice",
-             "configs/smollm2/135M_full_dpo_single_device.yaml", TINY, PREFERENCE_KEYS),
-}
+RUNS = {kind: run for kind, run in DPO_RUNS.items() if not kind.endswith("_dist")}
 
 
 @pytest.fixture(scope="module")
 def tiny_pairs(tmp_path_factory, smollm2_assets):
-    """The tiny checkpoint and 10 short pairs of the bundled file (7 to train on, 3 held out)."""
-    root = tmp_path_factory.mktemp("dpo")
-    write_tiny_hf_checkpoint(root / "base")
-    lines = (smollm2_assets / "data" / "dpo_en_demo_pairs.jsonl").read_text().splitlines()
-    short = [line for line in lines if len(line) < 2500][:10]
-    (root / "train.jsonl").write_text("\n".join(short[:7]) + "\n")
-    (root / "val.jsonl").write_text("\n".join(short[7:]) + "\n")
-    return root
+    return write_tiny_pairs(tmp_path_factory.mktemp("dpo"), smollm2_assets)
 
 
 def config(kind, assets, root, output_dir, *overrides):
-    _, _, shipped, model, keys = RUNS[kind]
-    cfg = tiny_recipe_config(shipped, model, assets, root / "base", output_dir,
-                             f"dataset.data_files={root}/train.jsonl", "batch_size=2",
-                             "gradient_accumulation_steps=2", "max_steps_per_epoch=null",
-                             f"dataset_val.data_files={root}/val.jsonl", "dataset_val.split=train",
-                             "run_val_every_n_steps=2", "run_val_at_start=true", "lr_scheduler=null",
-                             "optimizer.lr=1e-2", "tokenizer.max_seq_len=256", *overrides)
-    return validate(cfg, extra_keys=keys)
+    return tiny_dpo_config(kind, assets, root, output_dir, *overrides)
 
 
 @pytest.fixture(scope="module")
