@@ -24,6 +24,7 @@ from typing import Dict, Optional, Sequence
 import torch
 from omegaconf import OmegaConf
 
+from tests.support.dpo_tiny import RUNS as DPO_RUNS
 from tests.support.helpers import read_jsonl, recipe_class
 from tests.support.tiny_setup import DIM, HEADS, HIDDEN, KV_HEADS, LAYERS, MAX_SEQ_LEN, write_tiny_setup
 from torchtune_ext.config import DISTRIBUTED_KEYS, LORA_KEYS, validate
@@ -35,6 +36,8 @@ RECIPES = {
     "full_dist": ("recipes/full_finetune_distributed.py", "FullFinetuneRecipeDistributed", DISTRIBUTED_KEYS),
     "lora_dist": ("recipes/lora_finetune_distributed.py", "LoRAFinetuneRecipeDistributed",
                   {**LORA_KEYS, **DISTRIBUTED_KEYS}),
+    # preference tuning (tests/support/dpo_tiny.py)
+    **{f"dpo_{kind}": (file, cls, keys) for kind, (file, cls, _, _, keys) in DPO_RUNS.items()},
 }
 # 16 samples, batch 2 x 2 accumulation: 4 steps per epoch; 3 epochs; cosine LR with warmup; no periodic saves
 SETTINGS = ["epochs=3", "batch_size=2", "gradient_accumulation_steps=2", "log_every_n_steps=1",

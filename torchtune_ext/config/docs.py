@@ -8,6 +8,7 @@
 import json
 from typing import Any, Dict, List
 
+from torchtune_ext.config.preference import PREFERENCE_KEYS
 from torchtune_ext.config.schema import COMMON_KEYS, DISTILLATION_KEYS, DISTRIBUTED_KEYS, LORA_KEYS, NO_DEFAULT, Key
 
 # (section title, what it covers, keys)
@@ -19,6 +20,8 @@ SECTIONS = (
      "the same name.", LORA_KEYS),
     ("Distillation keys", "Read by the knowledge-distillation recipes (`knowledge_distillation_*.py`), besides the "
      "common keys (and the LoRA keys for a LoRA student; docs/distillation.md).", DISTILLATION_KEYS),
+    ("Preference keys", "Read by the preference recipes (`*_dpo_*.py`, [preference](preference.md)), besides the "
+     "common keys (and the LoRA or distributed ones); they replace a common key of the same name.", PREFERENCE_KEYS),
 )
 
 INTRO = """# Configuration

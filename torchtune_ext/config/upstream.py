@@ -27,7 +27,9 @@ from torchtune_ext.moved import canonical
 # The recipes of this repository, by the name torchtune gives its own.
 RECIPES = ("full_finetune_single_device", "full_finetune_distributed",
            "lora_finetune_single_device", "lora_finetune_distributed",
-           "knowledge_distillation_single_device", "knowledge_distillation_distributed")
+           "knowledge_distillation_single_device", "knowledge_distillation_distributed",
+           # preference tuning (docs/preference.md); torchtune has no full_dpo_single_device
+           "full_dpo_single_device", "full_dpo_distributed", "lora_dpo_single_device", "lora_dpo_distributed")
 
 _OUR_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 

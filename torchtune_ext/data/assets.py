@@ -24,6 +24,7 @@ STUDENT_DIRNAME = "SmolLM2-135M-Instruct-10L"
 STUDENT_LAYERS = 10
 ALPACA_RELPATH = "data/alpaca_en_demo.json"
 SHAKESPEARE_RELPATH = "data/shakespeare.jsonl"
+PREFERENCE_RELPATH = "data/dpo_en_demo_pairs.jsonl"  # preference pairs (chosen/rejected) for the DPO configs
 MANIFEST_RELPATH = "MANIFEST.json"
 
 SMOLLM2_DIR = f"{DEFAULT_ASSETS_DIR}/{SMOLLM2_DIRNAME}"
@@ -37,7 +38,7 @@ def _output_dir_of(path: Path) -> Path | None:
     for dirname in (SMOLLM2_DIRNAME, STUDENT_DIRNAME):
         if dirname in parts:  # the model folder or a file inside it
             return Path(*parts[: parts.index(dirname)] or ".")
-    for rel in (ALPACA_RELPATH, SHAKESPEARE_RELPATH, MANIFEST_RELPATH):
+    for rel in (ALPACA_RELPATH, SHAKESPEARE_RELPATH, PREFERENCE_RELPATH, MANIFEST_RELPATH):
         n = len(Path(rel).parts)
         if parts[-n:] == Path(rel).parts:
             return Path(*parts[:-n] or ".")

@@ -6,10 +6,11 @@ and by both kinds of model: torchtune's LoRA builders, and transformers
 models with PEFT's adapters (:mod:`torchtune_ext.model.hf.lora`).
 """
 
-from typing import Any, Callable, Dict, List, Optional, Tuple
+import contextlib
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from torch import nn
-from torchtune.modules.peft import validate_missing_and_unexpected_for_lora
+from torchtune.modules.peft import disable_adapter, validate_missing_and_unexpected_for_lora
 
 from torchtune_ext import checkpoint
 from torchtune_ext.checkpoint import check_adapter_fits
@@ -99,3 +100,26 @@ def lora_checkpoint_state(model: nn.Module, model_state: Dict[str, Any], cfg_mod
     if is_hf_model(model):
         return _hf_lora().lora_checkpoint_state(model, model_state, adapter_only)
     return checkpoint.lora_checkpoint_state(model_state, cfg_model, adapter_only)
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """The base model inside the block: every LoRA/DoRA adapter of ``model`` off, back on afterwards.
+
+    What the LoRA preference recipes use as their reference model: the frozen
+    base without a second copy in memory. torchtune's models: its
+    ``disable_adapter`` (each adapter module's ``disabled`` flag); transformers
+    models with PEFT's adapters injected: each PEFT layer's ``enable_adapters``.
+    """
+    if is_hf_model(model):  # PEFT's layers injected in place: each switches its own adapters
+        layers = [m for m in model.modules() if callable(getattr(m, "enable_adapters", None))]
+        for layer in layers:
+            layer.enable_adapters(False)
+        try:
+            yield
+        finally:
+            for layer in layers:
+                layer.enable_adapters(True)
+        return
+    with disable_adapter(model):
+        yield

@@ -106,12 +106,23 @@ class EvalResult:
     totals: TokenTotals
     num_samples: int
     seconds: float
+    unit: str = "tokens"
 
     def metrics(self) -> Dict[str, Any]:
         """``loss`` (nats per trainable token), ``perplexity``, the loss's token
         metrics (``token_accuracy``: fraction; ``entropy``: nats per token),
         ``num_tokens``, ``num_samples``, ``seconds``. Without a trainable token
-        the means are absent (never 0 or NaN)."""
+        the means are absent (never 0 or NaN).
+
+        Unit ``"pairs"`` (a preference objective): ``loss`` and the pair metrics as means over the pairs,
+        ``num_pairs``, ``num_tokens`` (non-padding tokens of both responses), no perplexity."""
+        if self.unit == "pairs":
+            sums = dict(self.totals.sums)
+            tokens = int(round(sums.pop("num_tokens", 0.0)))
+            pairs = self.totals.num_tokens
+            out = {name: value / pairs for name, value in sums.items()} if pairs else {}
+            out.update(num_pairs=pairs, num_tokens=tokens, num_samples=self.num_samples, seconds=self.seconds)
+            return out
         out: Dict[str, Any] = {}
         means = self.totals.means()
         if means:
@@ -162,7 +173,7 @@ def evaluate(model: nn.Module, objective: Any, loader: StepLoader, *,
     finally:
         for module, training in modes:
             module.training = training
-    return EvalResult(tally.totals(dp_group), len(loader), time.perf_counter() - start)
+    return EvalResult(tally.totals(dp_group), len(loader), time.perf_counter() - start, unit=objective.unit)
 
 
 @contextlib.contextmanager
@@ -298,6 +309,9 @@ def describe(result: EvalResult) -> str:
     m = result.metrics()
     if "loss" not in m:
         return f"no trainable token in {m['num_samples']} samples"
+    if "num_pairs" in m:
+        return (f"loss {m['loss']:.4f}, rewards/accuracies {m['rewards/accuracies']:.4f}, rewards/margins "
+                f"{m['rewards/margins']:.4f} over {m['num_pairs']} pairs ({m['seconds']:.1f} s)")
     accuracy = f", token_accuracy {m['token_accuracy']:.4f}" if "token_accuracy" in m else ""  # loss.token_metrics
     return (f"loss {m['loss']:.4f}, perplexity {m['perplexity']:.4g}{accuracy} over {m['num_tokens']} tokens of "
             f"{m['num_samples']} samples ({m['seconds']:.1f} s)")

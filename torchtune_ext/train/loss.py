@@ -324,6 +324,12 @@ class SummedCrossEntropyLoss(nn.Module):
             rows = self._project(rows)
         return torch.log_softmax(rows.float(), dim=-1)
 
+    def log_probs(self, rows: torch.Tensor) -> torch.Tensor:
+        """``[rows, vocab]`` fp32 log-probabilities of ``[rows, hidden]`` hidden states (after
+        :meth:`take_output_projection`) or ``[rows, vocab]`` logits; the compiled chunk with ``compile``.
+        What a loss over whole sequences builds on (:mod:`torchtune_ext.train.preference`)."""
+        return self._log_probs(rows)
+
     def compile_chunk(self) -> None:
         """Compile the per-chunk projection and log-softmax with ``torch.compile`` (``compile: true``)."""
         self._log_probs = torch.compile(self._log_probs, dynamic=True)

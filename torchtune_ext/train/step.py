@@ -96,6 +96,11 @@ class StepResult:
             for the slowest rank to get there, since each moves a few numbers
             only. FSDP's gathers and reduce-scatters are not included. 0 with
             one process.
+        unit (str): what the step's loss and metrics are means over: ``"tokens"`` (trainable tokens), or
+            ``"pairs"`` (a preference objective, :mod:`torchtune_ext.train.preference`): then ``loss`` and
+            ``metrics`` are means over the step's ``num_pairs`` pairs (all ranks), and ``num_tokens`` /
+            ``local_num_tokens`` count the non-padding tokens of both responses of every pair.
+        num_pairs (int): preference pairs of the step, all dp ranks (0 when the unit is a token).
     """
 
     loss: Optional[float]
@@ -106,6 +111,8 @@ class StepResult:
     metrics: Dict[str, float] = field(default_factory=dict)
     once_per_step: Optional[bool] = None
     wait_seconds: float = 0.0
+    unit: str = "tokens"
+    num_pairs: int = 0
 
 
 class RankWait:
@@ -469,11 +476,16 @@ def train_step(
         memory_guard=None if in_backward else memory_guard, baseline=baseline, step=step, rank_wait=rank_wait,
     )
     num_tokens, local_num_tokens = totals.num_tokens, totals.local_num_tokens
-    if num_tokens == 0:
+    unit = getattr(as_objective(objective), "unit", "tokens")
+    by_unit = {} if unit == "tokens" else {"unit": unit, "num_pairs": num_tokens}
+    if unit != "tokens" and num_tokens:  # the tally counted pairs; their tokens are a sum the objective returned
+        num_tokens = int(round(totals.sums.pop("num_tokens")))
+        local_num_tokens = 0  # not reduced per rank; nothing reads it for pairs
+    if totals.num_tokens == 0:
         optimizer.zero_grad(set_to_none=True)
         health.empty(step)
         log.warning("Optimizer step %d skipped: no trainable token in any of its micro-batches.", step)
-        return StepResult(None, 0, 0, None, skipped="empty", wait_seconds=rank_wait.seconds)
+        return StepResult(None, 0, 0, None, skipped="empty", wait_seconds=rank_wait.seconds, **by_unit)
 
     means = totals.means()
     loss = means.pop("loss")
@@ -491,10 +503,10 @@ def train_step(
     if skip:
         optimizer.zero_grad(set_to_none=True)
         return StepResult(loss, num_tokens, local_num_tokens, grad_norm, skipped="non-finite", metrics=means,
-                          once_per_step=totals.once_per_step, wait_seconds=rank_wait.seconds)
+                          once_per_step=totals.once_per_step, wait_seconds=rank_wait.seconds, **by_unit)
 
     optimizer.step()  # in backward: the hooks updated already; this finds no gradient
     optimizer.zero_grad(set_to_none=True)
     health.after_update(step, params, loss, grad_norm)
     return StepResult(loss, num_tokens, local_num_tokens, grad_norm, metrics=means, once_per_step=totals.once_per_step,
-                      wait_seconds=rank_wait.seconds)
+                      wait_seconds=rank_wait.seconds, **by_unit)

@@ -20,6 +20,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from tests.support import resume_jobs
+from tests.support.dpo_tiny import RUNS as DPO_RUNS
+from tests.support.dpo_tiny import tiny_dpo_config, write_tiny_pairs
 from tests.support.helpers import (
     read_jsonl,
     recipe_class,
@@ -87,8 +89,32 @@ def two_ranks(smollm2_assets, tmp_path_factory):
     for name, (recipe, config, overrides) in runs.items():
         OmegaConf.save(config(smollm2_assets, root, root / name, *overrides), root / f"{name}.yaml")
         jobs.append({"recipe": recipe, "config": str(root / f"{name}.yaml")})
+    write_tiny_pairs(root, smollm2_assets)  # preference pairs, on the same tiny checkpoint (root/base)
+    for kind in ("lora_dist", "full_dist"):
+        OmegaConf.save(tiny_dpo_config(kind, smollm2_assets, root, root / f"dpo_{kind}"), root / f"dpo_{kind}.yaml")
+        jobs.append({"recipe": f"dpo_{kind}", "config": str(root / f"dpo_{kind}.yaml")})
     resume_jobs.launch(2, jobs)
     return root
+
+
+@pytest.mark.parametrize("kind", ["lora", "full"])
+def test_dpo_on_two_ranks_equals_one_device(two_ranks, smollm2_assets, tmp_path, kind):
+    """Preference tuning: 2 ranks x 1 pair x 2 accumulation steps == one device x 2 pairs x 2 (7 pairs: steps of 4
+    and 3, the short one's 3 pairs spread over the ranks unevenly), loss, grad norm and pair metrics to fp32
+    precision, validation included; step 1 is ln 2 (the reference is the base)."""
+    cfg = tiny_dpo_config(kind, smollm2_assets, two_ranks, tmp_path / "one")
+    run_recipe(recipe_class(*DPO_RUNS[kind][:2]), cfg)
+    one = read_jsonl(tmp_path / "one" / "logs" / "metrics.jsonl")
+    two = read_jsonl(two_ranks / f"dpo_{kind}_dist" / "logs" / "metrics.jsonl")
+    assert [r["step"] for r in two] == [r["step"] for r in one] and len(one) == 4  # 2 validations, 2 steps
+    assert [r.get("num_pairs") for r in one if "loss" in r] == [4, 3]
+    assert abs(one[1]["loss"] - math.log(2)) < 1e-6
+    for got, want in zip(two, one):
+        assert got.get("num_pairs") == want.get("num_pairs") and got.get("num_tokens") == want.get("num_tokens")
+        for key in ("loss", "grad_norm", "rewards/margins", "rewards/accuracies", "logps/chosen", "val_loss",
+                    "val_rewards/margins", "val_logps/rejected"):
+            if key in want:
+                assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), (got["step"], key)
 
 
 def test_resume_on_another_world_size(two_ranks, smollm2_assets, tmp_path):

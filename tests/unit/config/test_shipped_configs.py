@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 
 from tests.support.helpers import REPO_ROOT
 from torchtune_ext.config import DISTRIBUTED_KEYS, LORA_KEYS, ConfigError, validate
+from torchtune_ext.config.preference import PREFERENCE_KEYS
 
 CONFIGS = sorted((REPO_ROOT / "configs").rglob("*.yaml"))
 IDS = [str(p.relative_to(REPO_ROOT / "configs")) for p in CONFIGS]
@@ -29,17 +30,19 @@ WITH_VALIDATION = [p for p in CONFIGS if OmegaConf.load(p).get("dataset_val") is
 def _schema(path: Path):
     text = path.read_text()
     keys = {}
-    if "lora_finetune" in text.split("\n\n")[0]:
+    if "lora_finetune" in text.split("\n\n")[0] or "lora_dpo" in text.split("\n\n")[0]:
         keys.update(LORA_KEYS)
     if "_distributed.py" in text.split("\n\n")[0]:
         keys.update(DISTRIBUTED_KEYS)
+    if "_dpo_" in text.split("\n\n")[0]:
+        keys.update(PREFERENCE_KEYS)
     return keys
 
 
 def test_some_shipped_configs_validate():
-    # the SmolLM2 configs (Alpaca and Shakespeare, full and LoRA, 1 and 2 ranks) and the Hugging Face ones
+    # the SmolLM2 configs (Alpaca and Shakespeare, full and LoRA, 1 and 2 ranks; DPO) and the Hugging Face ones
     smollm2 = [p for p in CONFIGS if p.parent.name == "smollm2"]
-    assert len(smollm2) == 6 and set(smollm2) <= set(WITH_VALIDATION)
+    assert len([p for p in smollm2 if "_dpo" not in p.name]) == 6 and set(smollm2) <= set(WITH_VALIDATION)
     assert all(p in WITH_VALIDATION for p in CONFIGS if p.parent.name in ("hf", "qwen3", "gemma3", "qwen3_moe"))
 
 

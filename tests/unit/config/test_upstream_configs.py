@@ -27,6 +27,7 @@ from omegaconf import OmegaConf
 
 from tests.support.helpers import REPO_ROOT
 from torchtune_ext.config import DISTILLATION_KEYS, DISTRIBUTED_KEYS, LORA_KEYS, ConfigError, validate
+from torchtune_ext.config.preference import PREFERENCE_KEYS
 from torchtune_ext.config.upstream import FAMILY_MODEL_TYPES, RECIPES, download_command, model_family, packaged_configs
 from torchtune_ext.model.build import is_hf_config
 
@@ -38,6 +39,10 @@ SCHEMAS = {
     # the distillation recipes add the LoRA keys for a LoRA student only (schema_for)
     "knowledge_distillation_single_device": DISTILLATION_KEYS,
     "knowledge_distillation_distributed": {**DISTILLATION_KEYS, **DISTRIBUTED_KEYS},
+    "full_dpo_single_device": PREFERENCE_KEYS,
+    "full_dpo_distributed": {**DISTRIBUTED_KEYS, **PREFERENCE_KEYS},
+    "lora_dpo_single_device": {**LORA_KEYS, **PREFERENCE_KEYS},
+    "lora_dpo_distributed": {**LORA_KEYS, **DISTRIBUTED_KEYS, **PREFERENCE_KEYS},
 }
 
 
@@ -67,6 +72,7 @@ OURS = [(_our_recipe(path), str(path.relative_to(REPO_ROOT)), path)
 
 def test_the_list_is_torchtunes():
     assert len(UPSTREAM) == 125  # torchtune 0.6.1: 17 + 27 + 41 + 36, and 2 + 2 for knowledge distillation
+    assert len(UPSTREAM) == 126  # torchtune 0.6.1: 17 + 27 + 41 + 36, and 5 DPO configs (0 + 1 + 2 + 2)
     assert len({name for _, name, _ in UPSTREAM}) == len(UPSTREAM)
 
 

@@ -37,6 +37,8 @@ def step_record(
     step), ``num_tokens`` (trainable label tokens after
     the shift, all ranks: padding and masked prompts excluded),
     ``tokens_per_second`` (num_tokens / step wall time), ``step_seconds``,
+    for a preference step (``result.unit == "pairs"``) ``num_pairs`` and ``pairs_per_second``, its
+    ``loss`` and metrics being means over the pairs and ``num_tokens`` the non-padding tokens of both responses,
     ``peak_memory_gib`` (see :func:`peak_memory_gib`; left out with
     ``log_peak_memory=False``), ``skipped_steps``
     (cumulative), ``tokens_seen`` (cumulative ``num_tokens`` of the steps that
@@ -74,6 +76,9 @@ def step_record(
         tokens_per_second=result.num_tokens / step_seconds if step_seconds > 0 else 0.0,
         step_seconds=step_seconds,
     )
+    if result.unit == "pairs":  # a preference step: its loss and metrics are means over these pairs
+        record.update(num_pairs=result.num_pairs,
+                      pairs_per_second=result.num_pairs / step_seconds if step_seconds > 0 else 0.0)
     # why a step is slow: the shares of its wall time spent loading its data and waiting for other ranks
     record.update(waiting_shares(result, step_seconds, getattr(data, "load_seconds", 0.0)))
     if log_peak_memory:

@@ -1,0 +1,110 @@
+"""The preference recipes, in process on a tiny checkpoint: two shared runs (LoRA, full) of the shipped configs.
+
+7 pairs of the bundled preference data, batch 2 x accumulation 2: a step of 4
+pairs, then the epoch's short last step of 3 (none dropped), validation on 3
+held-out pairs. The exactness of the step itself is tested on the library
+(tests/unit/train/test_preference.py); here what the recipes add: the
+reference (the base with adapters off; a frozen copy), the records, the
+checkpoint, bad input.
+"""
+
+import json
+import math
+
+import pytest
+import torch
+
+from tests.support.dpo_tiny import RUNS as DPO_RUNS
+from tests.support.dpo_tiny import tiny_dpo_config, write_tiny_pairs
+from tests.support.helpers import read_jsonl, recipe_class, run_recipe
+from torchtune_ext.config import ConfigError
+
+RUNS = {kind: run for kind, run in DPO_RUNS.items() if not kind.endswith("_dist")}
+
+
+@pytest.fixture(scope="module")
+def tiny_pairs(tmp_path_factory, smollm2_assets):
+    return write_tiny_pairs(tmp_path_factory.mktemp("dpo"), smollm2_assets)
+
+
+def config(kind, assets, root, output_dir, *overrides):
+    return tiny_dpo_config(kind, assets, root, output_dir, *overrides)
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_pairs, smollm2_assets, tmp_path_factory):
+    """Each recipe once: (recipe object, its metrics.jsonl records)."""
+    out = {}
+    for kind, (path, name, *_) in RUNS.items():
+        output_dir = tmp_path_factory.mktemp(kind)
+        recipe = run_recipe(recipe_class(path, name), config(kind, smollm2_assets, tiny_pairs, output_dir))
+        out[kind] = recipe, read_jsonl(output_dir / "logs" / "metrics.jsonl"), output_dir
+    return out
+
+
+@pytest.mark.parametrize("kind", sorted(RUNS))
+def test_steps_count_pairs_and_start_at_ln2(runs, kind):
+    """Step 1: the policy is its reference, so the DPO loss is ln 2 and every margin 0 (a test of the
+    reference: a LoRA reference with adapters on, or a reference that is the trained policy, would drift by step 2).
+    The 7 pairs make a step of 4 and the short last step of 3; tokens count both responses, no padding."""
+    _, records, _ = runs[kind]
+    steps = [r for r in records if "num_pairs" in r]
+    assert [r["num_pairs"] for r in steps] == [4, 3]
+    assert abs(steps[0]["loss"] - math.log(2)) < 1e-6 and steps[0]["rewards/margins"] == 0.0
+    assert steps[1]["loss"] != pytest.approx(math.log(2), abs=1e-4)  # the policy moved away from its reference
+    for r in steps:
+        assert r["pairs_per_second"] == pytest.approx(r["num_pairs"] / r["step_seconds"])
+        assert r["tokens_per_second"] == pytest.approx(r["num_tokens"] / r["step_seconds"])
+        assert 0.0 <= r["rewards/accuracies"] <= 1.0
+        assert r["rewards/margins"] == pytest.approx(r["rewards/chosen"] - r["rewards/rejected"], abs=1e-6)
+        assert r["logps/chosen"] < 0 and r["logps/rejected"] < 0
+    assert steps[0]["num_tokens"] + steps[1]["num_tokens"] == steps[1]["tokens_seen"]
+
+
+@pytest.mark.parametrize("kind", sorted(RUNS))
+def test_validation_reports_pair_means(runs, kind):
+    """Before training and after the last step, over the 3 held-out pairs: at the start ln 2 (policy == reference)."""
+    _, records, _ = runs[kind]
+    val = [r for r in records if "val_loss" in r]
+    assert [r["step"] for r in val] == [0, 2]
+    assert all(r["val_num_pairs"] == 3 and "val_perplexity" not in r for r in val)
+    assert abs(val[0]["val_loss"] - math.log(2)) < 1e-6 and val[0]["val_rewards/accuracies"] == 0.0
+    assert val[1]["val_loss"] != pytest.approx(math.log(2), abs=1e-4)
+
+
+def test_lora_reference_is_the_base_and_full_reference_stays_frozen(runs):
+    """LoRA: the reference is the same model object with adapters disabled (no copy); full: a second model whose
+    weights are still the base's after training, while the policy's changed."""
+    lora, _, _ = runs["lora"]
+    assert lora.run.objective.reference.model is lora.model
+    full, _, _ = runs["full"]
+    reference = full.run.objective.reference.model
+    assert reference is not full.model and not any(p.requires_grad for p in reference.parameters())
+    changed = [not torch.equal(p, q) for p, q in zip(full.model.parameters(), reference.parameters())]
+    assert all(changed)
+
+
+@pytest.mark.parametrize("override,key", [
+    ("loss.beta=0", "loss.beta"),
+    ("loss.beta=-1", "loss.beta"),
+    ("loss._component_=torchtune.modules.loss.CEWithChunkedOutputLoss", "loss._component_"),
+    ("pack_micro_batches=true", "pack_micro_batches"),
+    ("dataset.packed=true", "dataset.packed"),
+])
+def test_bad_preference_config_is_one_line(tiny_pairs, smollm2_assets, tmp_path, override, key):
+    with pytest.raises(ConfigError) as err:
+        config("lora", smollm2_assets, tiny_pairs, tmp_path / "out", override)
+    assert err.value.key == key and "\n" not in str(err.value)
+
+
+def test_a_dataset_without_pairs_stops_before_the_model_loads(tiny_pairs, smollm2_assets, tmp_path):
+    """An SFT file given to a DPO recipe: one line naming dataset and column_map, nothing written."""
+    sft = tmp_path / "sft.jsonl"
+    sft.write_text(json.dumps({"instruction": "a", "output": "b"}) + "\n")
+    cfg = config("full", smollm2_assets, tiny_pairs, tmp_path / "out", f"dataset.data_files={sft}")
+    recipe = recipe_class(*RUNS["full"][:2])(cfg)
+    with pytest.raises(ConfigError, match="has no column 'chosen'") as err:
+        recipe.setup()
+    recipe.cleanup()
+    assert err.value.key == "dataset"
+    assert not hasattr(recipe, "model")
