@@ -42,6 +42,7 @@ from torchtune_ext.model.hf.build import causal_lm, decoder_layer_classes
 from torchtune_ext.model.hf.lora_targets import lora_targets
 
 log = logging.getLogger(__name__)
+_LOGGED: set = set()  # the lines logged by lora_config in this process
 
 ADAPTER = "default"  # PEFT's adapter name
 
@@ -75,7 +76,10 @@ def lora_config(model: nn.Module, *, lora_attn_modules: Sequence[str], apply_lor
     if targets.parameters and lora_dropout:
         raise ConfigError("model.lora_dropout", f"{type(model).__name__}'s experts are fused parameters, whose "
                           "PEFT adapters have no dropout; set model.lora_dropout=0.0")
-    log.info("%s: %s", type(model).__name__, targets.describe())
+    line = f"{type(model).__name__}: {targets.describe()}"
+    if line not in _LOGGED:  # the start-up checks build the model once before the recipe does: one line
+        _LOGGED.add(line)
+        log.info(line)
     return LoraConfig(r=lora_rank, lora_alpha=lora_alpha, lora_dropout=lora_dropout, use_dora=use_dora,
                       target_modules=targets.modules, target_parameters=targets.parameters or None,
                       bias="none", task_type="CAUSAL_LM")
