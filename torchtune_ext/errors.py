@@ -49,6 +49,9 @@ OUTCOME_FILE_ENV = "TORCHTUNE_EXT_OUTCOME_FILE"
 # Set by the launcher for its workers: its pid; a worker ends when that process does
 # (torchtune_ext.run.control.exits.end_with_launcher).
 LAUNCHER_PID_ENV = "TORCHTUNE_EXT_LAUNCHER_PID"
+# Set by the launcher for its workers: its own command line (``tune run ...``), from which a stopped
+# job of several nodes says how to continue (torchtune_ext.run.control.preemption.resume_command).
+LAUNCH_COMMAND_ENV = "TORCHTUNE_EXT_LAUNCH_COMMAND"
 
 
 class UserError(ValueError):

@@ -54,7 +54,7 @@ from torchtune_ext.checkpoint.sharded import (
 from torchtune_ext.checkpoint.sharded_save import ShardedSaves
 from torchtune_ext.checkpoint.sizing import tensor_bytes
 from torchtune_ext.checkpoint.tokenizer_files import write_chat_template
-from torchtune_ext.errors import CheckpointSaveError, ConfigError
+from torchtune_ext.errors import CheckpointSaveError, ConfigError, UserError
 from torchtune_ext.text import format_bytes, short
 
 log = get_logger()  # torchtune's logger, which the recipes' lines go through too
@@ -199,6 +199,8 @@ class CheckpointManager(ShardedSaves):
         try:
             self._checkpointer = tt_config.instantiate(self._cfg, **overrides)
             state = self._checkpointer.load_checkpoint()
+        except UserError:
+            raise  # a checkpointer's own one line (torchtune_ext.model.hf's): already names its key and fix
         except Exception as err:
             raise _unreadable(source, err, resume_from is not None and not adapter) from err
         if adapter and resume_from is not None:
@@ -234,6 +236,8 @@ class CheckpointManager(ShardedSaves):
             # LoRA trains on the base weights; gathered saves need the checkpointer to have read its
             # base checkpoint once (torchtune keeps the weight map of its files then)
             state = self._checkpointer.load_checkpoint() if adapter or not self.sharded_saves else {}
+        except UserError:
+            raise  # a checkpointer's own one line: already names its key and fix
         except Exception as err:
             raise _unreadable(source, err, False) from err
         tensors = saved if self._sharded_load else read_full_tensors(resume_from, saved)

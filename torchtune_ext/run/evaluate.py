@@ -59,7 +59,7 @@ from typing import Any, Dict, Iterator, List, Optional
 import numpy as np
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch import nn
 from torch.utils.data import Dataset, Subset
 from torchtune import utils
@@ -71,6 +71,7 @@ from torchtune_ext.checkpoint import (
     MANIFEST,
     CheckpointManager,
     Progress,
+    is_sharded,
     load_model_state,
     verify_checkpoint,
 )
@@ -352,11 +353,21 @@ def base_model_config(cfg_model: DictConfig) -> DictConfig:
     return OmegaConf.create(args)
 
 
+def _configured_files_exist(cfg_checkpointer: DictConfig) -> bool:
+    """Whether every file of a list ``checkpoint_files`` is in ``checkpoint_dir`` (other forms: assumed so)."""
+    files = cfg_checkpointer.get("checkpoint_files")
+    if not isinstance(files, (list, ListConfig)):
+        return True
+    return all((Path(str(cfg_checkpointer.get("checkpoint_dir"))) / str(f)).is_file() for f in files)
+
+
 def prepare_checkpoint_config(cfg: DictConfig) -> DictConfig:
     """Point the config at the weights in ``checkpointer.checkpoint_dir``, as a plain model.
 
     A folder written by the recipes (``step_<N>/`` with ``checkpoint.json``)
     lists its weight files in the manifest; they replace ``checkpoint_files``.
+    A Hugging Face folder with a safetensors index (an export) whose configured
+    ``checkpoint_files`` are not in it: the files its index names.
     LoRA configs get their plain model (:func:`base_model_config`): a LoRA step
     folder holds the merged model, a base folder the base model.
 
@@ -375,11 +386,20 @@ def prepare_checkpoint_config(cfg: DictConfig) -> DictConfig:
         COMMON_KEYS["verify_checkpoint_hashes"].check("verify_checkpoint_hashes", verify)
         files = verify_checkpoint(folder, content=verify, key="checkpointer.checkpoint_dir")["files"]
         weights = sorted(n for n in files if n.endswith(".safetensors") and not n.startswith("adapter"))
+        if not weights and is_sharded(folder):  # a periodic or stop's sharded step: shards only
+            raise ConfigError("checkpointer.checkpoint_dir", f"'{folder}' is a sharded checkpoint (its weights are "
+                              "dcp/ shards, not a Hugging Face folder): export it first with python -m "
+                              f"torchtune_ext.checkpoint.export {folder} {folder}_hf, then evaluate with "
+                              f"checkpointer.checkpoint_dir={folder}_hf")
         if not weights:
             hint = " (saved with save_adapter_weights_only=true)" if ADAPTER_WEIGHTS in files else ""
             raise ConfigError("checkpointer.checkpoint_dir", f"'{folder}' holds no model weights{hint}; evaluate a "
                               "checkpoint saved with the merged model (save_adapter_weights_only=false)")
         cfg.checkpointer.checkpoint_files = weights
+    elif (folder / "model.safetensors.index.json").is_file() and not _configured_files_exist(cfg.checkpointer):
+        # a Hugging Face folder (an export of a sharded step): its index names its weight files
+        weight_map = json.loads((folder / "model.safetensors.index.json").read_text()).get("weight_map", {})
+        cfg.checkpointer.checkpoint_files = sorted(set(weight_map.values()))
     cfg.model = base_model_config(cfg.model)
     return cfg
 

@@ -33,6 +33,7 @@ on, and says in one line what changed; nothing is ignored in silence:
 
 import os
 import warnings
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -101,6 +102,14 @@ def is_lora_model(cfg_model: Any) -> bool:
 _ADAPTER_SHAPE_SETTINGS = ("lora_attn_modules", "apply_lora_to_mlp", "apply_lora_to_output", "lora_rank", "use_dora")
 
 
+def _holds_model_weights(folder: Any) -> bool:
+    """Whether a checkpoint folder holds a whole model's weight files (a LoRA step: its merged model)."""
+    if folder is None or not Path(folder).is_dir():
+        return False
+    return any(p.suffix in (".safetensors", ".bin", ".pth") and not p.name.startswith("adapter")
+               for p in Path(folder).iterdir())
+
+
 def _check_same_kind_of_model(resumed: ResumeState, cfg: DictConfig) -> None:
     """A checkpoint's model must be what this run builds: full or LoRA, and the same adapter tensors."""
     saved_model = (resumed.config or {}).get("model")
@@ -112,8 +121,14 @@ def _check_same_kind_of_model(resumed: ResumeState, cfg: DictConfig) -> None:
     saved_lora, lora = is_lora_model(saved_model), is_lora_model(cfg.model)
     if saved_lora and not lora:
         adapter_only = bool(resumed.config.get("save_adapter_weights_only", False))
-        merged = ("" if adapter_only else f", or fine-tune its merged weights in a new output_dir with "
-                  f"checkpointer.checkpoint_dir={resumed.path}")
+        merged = ""
+        if not adapter_only and _holds_model_weights(resumed.path):
+            merged = (f", or fine-tune its merged weights in a new output_dir with "
+                      f"checkpointer.checkpoint_dir={resumed.path}")
+        elif not adapter_only and resumed.sharded:  # a periodic or stop's sharded step: shards only, no merge yet
+            merged = (f", or export its merged model (python -m torchtune_ext.checkpoint.export {resumed.path} "
+                      f"{resumed.path}_hf) and fine-tune that in a new output_dir with "
+                      f"checkpointer.checkpoint_dir={resumed.path}_hf")
         raise ConfigError("resume_from_checkpoint", f"{where} was written by a LoRA recipe (model "
                           f"{saved_model.get('_component_')}): its optimizer state is the adapter's, which a full "
                           f"fine-tune cannot continue; resume it with a LoRA recipe "

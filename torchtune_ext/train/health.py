@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from torchtune_ext import ranks
 from torchtune_ext.checkpoint import list_checkpoints
 from torchtune_ext.errors import ConfigError, NonFiniteError, TrainingHealthError
 
@@ -143,9 +144,10 @@ class StepHealth:
 
     # ----------------------------------------------------------------- checks
     def empty(self, step: int) -> None:
-        """Step ``step`` had no trainable token on any rank and was skipped."""
+        """Step ``step`` had no trainable token on any rank and was skipped (a warning, on rank 0)."""
         self.last_step = step
         self.skipped["empty"].append(step)
+        _warn_once_per_job("Optimizer step %d skipped: no trainable token in any of its micro-batches.", step)
 
     def before_update(self, step: int, loss: float, grad_norm: float, num_tokens: int) -> bool:
         """Check a step's global loss and gradient norm before the optimizer updates anything.
@@ -171,7 +173,7 @@ class StepHealth:
                                      f"(steps {self._nonfinite_run[0]}-{step}): the parameters themselves produce "
                                      "them" + self._advice(), self._suspect_from)
             self.skipped["non-finite"].append(step)
-            log.warning("Optimizer step %d skipped: loss=%s grad_norm=%s", step, loss, grad_norm)
+            _warn_once_per_job("Optimizer step %d skipped: loss=%s grad_norm=%s", step, loss, grad_norm)
             return True
         self._nonfinite_run = []
         if grad_norm == 0.0:
@@ -189,9 +191,9 @@ class StepHealth:
                     f"{max(self._losses):.4f}): training has diverged", self._suspect_from,
                     self._advice("; or raise loss_spike_nats (null turns this check off)"))
             self._spike_at = step
-            log.warning("Optimizer step %d: loss %.4f is more than loss_spike_nats=%s above the highest loss of the "
-                        "last %d healthy steps (%.4f); if the next step's is too, the run stops.", step, loss,
-                        self.loss_spike_nats, len(self._losses), max(self._losses))
+            _warn_once_per_job("Optimizer step %d: loss %.4f is more than loss_spike_nats=%s above the highest loss "
+                               "of the last %d healthy steps (%.4f); if the next step's is too, the run stops.", step,
+                               loss, self.loss_spike_nats, len(self._losses), max(self._losses))
             return False
         self._spike_at = None
         self._suspect_from = None  # the parameters of step - 1 are confirmed healthy
@@ -265,6 +267,13 @@ class StepHealth:
             text += (". Lower optimizer.lr" + (", move the later checkpoints out of output_dir" if after else "")
                      + " and resume with resume_from_checkpoint=true")
         return text + extra
+
+
+def _warn_once_per_job(message: str, *args: object) -> None:
+    """A warning about a step, from rank 0 only: every rank takes the same decision from the same global values,
+    and N ranks printed it N times."""
+    if ranks.is_rank_zero():
+        log.warning(message, *args)
 
 
 def _steps(steps: List[int], shown: int = 5) -> str:

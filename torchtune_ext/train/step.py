@@ -483,8 +483,7 @@ def train_step(
         local_num_tokens = 0  # not reduced per rank; nothing reads it for pairs
     if totals.num_tokens == 0:
         optimizer.zero_grad(set_to_none=True)
-        health.empty(step)
-        log.warning("Optimizer step %d skipped: no trainable token in any of its micro-batches.", step)
+        health.empty(step)  # says so, once per job
         return StepResult(None, 0, 0, None, skipped="empty", wait_seconds=rank_wait.seconds, **by_unit)
 
     means = totals.means()

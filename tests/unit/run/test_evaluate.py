@@ -8,6 +8,7 @@ import logging
 import math
 import random
 import shutil
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -338,6 +339,32 @@ def test_the_command_checks_a_step_folders_hashes(eval_folder, capsys):
         "is intact."]
     code, _, out, _ = run_command(capsys, config, step, "verify_checkpoint_hashes=false")
     assert code == 0 and json.loads(out)["num_samples"] == 4
+
+
+def test_a_sharded_step_is_told_to_export_first_and_the_export_evaluates(eval_folder, capsys, monkeypatch):
+    """A periodic sharded step holds dcp/ shards only: the advice was save_adapter_weights_only=false (a LoRA
+    setting, for a full fine-tune). Following the new advice, export then evaluate, works."""
+    from torchtune import config as tt_config
+
+    from torchtune_ext.tools.export import main as export_main
+
+    config, _ = eval_folder
+    cfg = OmegaConf.load(config)
+    monkeypatch.chdir(config.parent)
+    manager = CheckpointManager(cfg.checkpointer, cfg.output_dir, run_config=cfg, sharded_saves=True)
+    Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+    model = tt_config.instantiate(cfg.model)
+    progress = Progress()
+    progress.step = 2
+    step = manager.save_sharded(model, torch.optim.SGD(model.parameters(), lr=0.1), progress)
+    code, err, _, _ = run_command(capsys, config, step, f"tokenizer.path={cfg.tokenizer.path}")
+    assert code == 2 and len(err) == 1
+    advice = f"python -m torchtune_ext.checkpoint.export {step} {step}_hf, then evaluate with "
+    assert "is a sharded checkpoint" in err[0] and advice in err[0] and "save_adapter_weights_only" not in err[0]
+    assert export_main([str(step), f"{step}_hf"]) == 0
+    capsys.readouterr()
+    code, err, out, stderr = run_command(capsys, config, f"{step}_hf", f"tokenizer.path={cfg.tokenizer.path}")
+    assert code == 0 and err == [] and json.loads(out)["num_samples"] == 4, (err, stderr[-1500:])
 
 
 # ------------------------------------------------------- where the result goes (issue 33 U6, F12)

@@ -26,6 +26,28 @@ def test_resume_command_names_the_recipe_file(monkeypatch):
         "tune run --nproc_per_node 2 ")
 
 
+def test_a_job_of_several_nodes_is_continued_with_its_launchers_real_flags(monkeypatch):
+    """On 2 nodes the line held a literal '<your torchrun flags for the other nodes>': pasting it failed. The
+    launcher hands its own command line to its workers; the line repeats it, to be run on every node."""
+    from torchtune_ext.errors import LAUNCH_COMMAND_ENV
+    from torchtune_ext.run.control.preemption import continue_with
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    launched = ("tune run --nnodes 2 --nproc_per_node 2 --rdzv-backend c10d --rdzv-endpoint node0:29500 "
+                "--rdzv-id job7 recipes/full_finetune_distributed.py --config my.yaml resume_from_checkpoint=false "
+                "optimizer.lr=1e-4")
+    monkeypatch.setenv(LAUNCH_COMMAND_ENV, launched)
+    argv = ["recipes.full_finetune_distributed", "--config", "my.yaml", "optimizer.lr=1e-4"]
+    command = resume_command(argv)
+    assert command == launched.replace("resume_from_checkpoint=false ", "") + " resume_from_checkpoint=true"
+    assert continue_with(command) == f"Continue on every node with: {command}"
+    monkeypatch.delenv(LAUNCH_COMMAND_ENV)  # plain torchrun: the flags this process knows, no placeholder
+    assert resume_command(argv).startswith("tune run --nproc_per_node 2 --nnodes 2 recipes/full_finetune_distributed")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert continue_with("x") == "Continue with: x"
+
+
 @pytest.mark.parametrize("rank,local_rank,every_node,written", [
     ("0", "0", False, True), ("2", "0", False, False), ("2", "0", True, True), ("3", "1", True, False)])
 def test_every_nodes_launcher_learns_a_shared_status(tmp_path, monkeypatch, rank, local_rank, every_node, written):

@@ -49,3 +49,32 @@ def test_a_resume_checks_the_newest_checkpoint_against_its_manifest(tmp_path):
     (folder / "checkpoint.json").write_text(json.dumps({"step": 3, "files": {"model.safetensors": 10}}))
     with pytest.raises(ConfigError, match="'resume_from_checkpoint'.*is missing 'model.safetensors'"):
         check_resume_point(_cfg(tmp_path, resume=True))
+
+
+@pytest.mark.parametrize("sharded", [True, False])
+def test_a_lora_step_in_the_full_recipe_is_told_the_fix_its_folder_allows(tmp_path, sharded):
+    """A periodic sharded LoRA step holds dcp/ shards only: "fine-tune its merged weights" pointed at weights it
+    does not have; its fix is to export it first (the export writes the merged model). A gathered step holds them."""
+    from torchtune_ext.checkpoint import Progress
+    from torchtune_ext.checkpoint.resume_state import ResumeState
+    from torchtune_ext.run.resume import check_resume
+
+    step = tmp_path / "out" / "step_4"
+    (step / "dcp").mkdir(parents=True)
+    if not sharded:
+        (step / "model.safetensors").write_bytes(b"merged")
+    lora = {"_component_": "torchtune.models.llama3_2.lora_llama3_2", "lora_attn_modules": ["q_proj"]}
+    resumed = ResumeState(Progress(step=4), None, [{}], config={"model": lora}, path=step, sharded=sharded)
+    cfg = OmegaConf.create({"model": {"_component_": "torchtune.models.llama3_2.llama3_2"}, "fsdp_cpu_offload": False})
+    with pytest.raises(ConfigError) as err:
+        check_resume(resumed, cfg)
+    message = str(err.value)
+    assert message.count("config key ") == 1 and "resume it with a LoRA recipe (recipes/lora_finetune_distributed.py)" \
+        in message
+    if sharded:
+        assert message.endswith(f"or export its merged model (python -m torchtune_ext.checkpoint.export {step} "
+                                 f"{step}_hf) and fine-tune that in a new output_dir with "
+                                 f"checkpointer.checkpoint_dir={step}_hf")
+    else:
+        assert message.endswith(f"or fine-tune its merged weights in a new output_dir with "
+                                f"checkpointer.checkpoint_dir={step}")

@@ -121,3 +121,20 @@ def test_finish_summary_of_one_step():
     health = StepHealth(start_step=2)
     health.before_update(3, 2.0, 1.0, 10)
     assert health.finish().startswith("Training finished: 1 optimizer step in this run (step 3), none skipped")
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_a_skipped_step_is_said_once_per_job_by_rank_zero(monkeypatch, caplog, rank):
+    """Every rank takes the same decision from global values: 2 ranks printed "Optimizer step N skipped" twice."""
+    import logging
+
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    health = StepHealth(skip_nonfinite_steps=True)
+    with caplog.at_level(logging.WARNING):
+        health.empty(1)
+        assert health.before_update(2, float("nan"), 1.0, 10) is True
+    said = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    expected = ["Optimizer step 1 skipped: no trainable token in any of its micro-batches.",
+                "Optimizer step 2 skipped: loss=nan grad_norm=1.0"]
+    assert said == (expected if rank == "0" else [])

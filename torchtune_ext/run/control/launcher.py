@@ -20,7 +20,7 @@ import sys
 import time
 from typing import Any, Callable, Optional, Tuple
 
-from torchtune_ext.errors import LAUNCHER_PID_ENV, OUTCOME_FILE_ENV, REPORTED_EXIT_CODES
+from torchtune_ext.errors import LAUNCH_COMMAND_ENV, LAUNCHER_PID_ENV, OUTCOME_FILE_ENV, REPORTED_EXIT_CODES
 from torchtune_ext.run.control.exits import LOST_PEER, STOP_OTHERS_SIGNAL, ignore_signals_while_exiting
 
 # torch >= 2.5 keeps one TCP store (its agent's) for every attempt of a job, and the workers' process group
@@ -97,6 +97,7 @@ def quiet_reported_failures(run: Callable[..., Any]) -> Callable[..., Any]:
         os.environ[OUTCOME_FILE_ENV] = outcome_file
         launcher_pid = os.environ.get(LAUNCHER_PID_ENV)
         os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+        os.environ[LAUNCH_COMMAND_ENV] = shlex.join(["tune", *sys.argv[1:]])  # for a stop's "continue with" line
         # PContext.close() without a signal, which torchrun calls only when a worker has failed, takes this one
         # (torch 2.x); if a later torch drops the function, the workers get SIGTERM as before
         default_signal = getattr(elastic_api, "_get_default_signal", None)
@@ -146,6 +147,7 @@ def quiet_reported_failures(run: Callable[..., Any]) -> Callable[..., Any]:
             if default_signal is not None:
                 elastic_api._get_default_signal = default_signal
             LocalElasticAgent._monitor_workers = monitor
+            os.environ.pop(LAUNCH_COMMAND_ENV, None)
             if launcher_pid is None:
                 os.environ.pop(LAUNCHER_PID_ENV, None)
             else:

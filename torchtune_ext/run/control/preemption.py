@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from torchtune_ext import ranks
 from torchtune_ext.checkpoint import latest_checkpoint
-from torchtune_ext.errors import EXIT_STOPPED
+from torchtune_ext.errors import EXIT_STOPPED, LAUNCH_COMMAND_ENV
 from torchtune_ext.run.control.exits import finish_wandb, record_outcome, write_line
 
 REPEAT_WINDOW_S = 1.0
@@ -63,17 +63,32 @@ def resume_command(argv: Optional[list] = None) -> str:
     """
     argv = list(sys.argv if argv is None else argv)
     recipe, args = argv[0], [a for a in argv[1:] if not a.startswith("resume_from_checkpoint=")]
+    launched = os.environ.get(LAUNCH_COMMAND_ENV)
+    if launched and several_nodes():  # the launcher's own flags (rendezvous, nodes): the same on every node
+        words = [w for w in shlex.split(launched) if not w.startswith("resume_from_checkpoint=")]
+        return shlex.join(words + ["resume_from_checkpoint=true"])
     launcher = ["tune", "run"]
     nproc = ranks.local_world_size()
     if nproc is not None and ranks.world_size() > 1:
         launcher += ["--nproc_per_node", str(nproc)]
-        if ranks.world_size() > nproc:
-            launcher += ["<your torchrun flags for the other nodes>"]
+        if several_nodes():  # plain torchrun: its node and rendezvous flags are not known here
+            launcher += ["--nnodes", str(ranks.world_size() // nproc)]
     if not recipe.endswith(".py") and "/" not in recipe:  # tune run passes a custom recipe as a module path
         recipe = recipe.replace(".", "/") + ".py"
     elif os.path.isabs(recipe):  # torchrun's workers get the file path
         recipe = os.path.relpath(recipe)
     return shlex.join(launcher + [recipe] + args + ["resume_from_checkpoint=true"])
+
+
+def several_nodes() -> bool:
+    """Whether this job's ranks span more than one node (torchrun's variables)."""
+    nproc = ranks.local_world_size()
+    return nproc is not None and ranks.world_size() > nproc
+
+
+def continue_with(command: str) -> str:
+    """``Continue with: <command>``; on several nodes, that it is to be run on each of them."""
+    return f"Continue {'on every node ' if several_nodes() else ''}with: {command}"
 
 
 def where_to_continue(output_dir: str, command: str) -> str:
@@ -85,7 +100,7 @@ def where_to_continue(output_dir: str, command: str) -> str:
     checkpoint = latest_checkpoint(output_dir)
     if checkpoint is None:
         return "no checkpoint was saved yet: start again with the same command"
-    return f"the last complete checkpoint is intact: {checkpoint}. Continue with: {command}"
+    return f"the last complete checkpoint is intact: {checkpoint}. {continue_with(command)}"
 
 
 class GracefulStop:
@@ -161,7 +176,7 @@ class GracefulStop:
                            f"with the same command (exit status {EXIT_STOPPED})")
             else:
                 write_line(f"Stopped on {cause} after optimizer step {step}; checkpoint: {checkpoint}. "
-                           f"Continue with: {resume_command()}  (exit status {EXIT_STOPPED})")
+                           f"{continue_with(resume_command())}  (exit status {EXIT_STOPPED})")
         # for torchrun's launcher of every node, which the signal may have reached too
         record_outcome(EXIT_STOPPED, every_node=True)
         self._exit_status = EXIT_STOPPED

@@ -132,6 +132,12 @@ def test_head_counts_that_do_not_fit_the_weights_are_one_line_naming_the_tensor_
             f"makes it [{hidden}, {heads * 2 * head_dim}]") in message
     assert "config.json must describe the weights" in message
     assert "LOAD REPORT" not in capfd.readouterr().err + caplog.text  # transformers' own report is not printed
+    manager = CheckpointManager(OmegaConf.create({"_component_": "torchtune_ext.model.hf.HFCheckpointer",
+                                                 "checkpoint_dir": str(bad), "output_dir": str(tmp_path / "o")}),
+                                str(tmp_path / "o"))
+    with pytest.raises(ConfigError) as through_the_recipes_load:
+        manager.load()
+    assert str(through_the_recipes_load.value) == message  # not wrapped in a second "config key ..." prefix
 
 
 # ----------------------------------------------------------------------------- bad model folders
