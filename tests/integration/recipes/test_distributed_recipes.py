@@ -98,11 +98,10 @@ def two_ranks(smollm2_assets, tmp_path_factory):
     return root
 
 
-# SGD: the update is linear in the gradient. AdamW's first update is about lr * sign(g) for every weight, so a
-# gradient entry near 0 whose fp32 rounding differs between the two summation orders moves its weight by +-lr:
-# measured with AdamW, the losses of step 2 were 2.6e-5 (relative) apart where step 1 agreed within 1e-5.
-# (not fused: fused SGD has no DTensor sharding rule)
-DPO_SGD = ("optimizer._component_=torch.optim.SGD", "optimizer.lr=0.1", "optimizer.fused=false")
+# SGD without clipping and a small step: the update is linear in the gradient (AdamW's first update is about
+# lr * sign(g), so a gradient entry near 0 whose fp32 rounding differs between the summation orders moves its
+# weight by +-lr). Not fused: fused SGD has no DTensor sharding rule.
+DPO_SGD = ("optimizer._component_=torch.optim.SGD", "optimizer.lr=1e-3", "optimizer.fused=false", "clip_grad_norm=null")
 
 
 @pytest.mark.parametrize("kind", ["lora", "full"])
@@ -122,7 +121,10 @@ def test_dpo_on_two_ranks_equals_one_device(two_ranks, smollm2_assets, tmp_path,
         for key in ("loss", "grad_norm", "rewards/margins", "rewards/accuracies", "logps/chosen", "val_loss",
                     "val_rewards/margins", "val_logps/rejected"):
             if key in want:
-                assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), (got["step"], key)
+                # abs: DPO's h is a small difference of log-probability sums of a few hundred nats each, whose fp32
+                # rounding (~3e-5) depends on the summation order; once the policy has left its reference that
+                # shows in loss and margins at ~1e-5 absolute (measured: 8e-6), whatever the split
+                assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-4), (got["step"], key)
 
 
 def test_resume_on_another_world_size(two_ranks, smollm2_assets, tmp_path):
