@@ -112,7 +112,9 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
     models with PEFT's adapters injected: each PEFT layer's ``enable_adapters``.
     """
     if is_hf_model(model):  # PEFT's layers injected in place: each switches its own adapters
-        layers = [m for m in model.modules() if callable(getattr(m, "enable_adapters", None))]
+        from peft.tuners.tuners_utils import BaseTunerLayer  # imported with the transformers model already
+
+        layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
         for layer in layers:
             layer.enable_adapters(False)
         try:

@@ -91,10 +91,17 @@ def two_ranks(smollm2_assets, tmp_path_factory):
         jobs.append({"recipe": recipe, "config": str(root / f"{name}.yaml")})
     write_tiny_pairs(root, smollm2_assets)  # preference pairs, on the same tiny checkpoint (root/base)
     for kind in ("lora_dist", "full_dist"):
-        OmegaConf.save(tiny_dpo_config(kind, smollm2_assets, root, root / f"dpo_{kind}"), root / f"dpo_{kind}.yaml")
+        OmegaConf.save(tiny_dpo_config(kind, smollm2_assets, root, root / f"dpo_{kind}", *DPO_SGD),
+                       root / f"dpo_{kind}.yaml")
         jobs.append({"recipe": f"dpo_{kind}", "config": str(root / f"dpo_{kind}.yaml")})
     resume_jobs.launch(2, jobs)
     return root
+
+
+# SGD without clipping and a small step: the update is linear in the gradient (AdamW's first update is about
+# lr * sign(g), so a gradient entry near 0 whose fp32 rounding differs between the summation orders moves its
+# weight by +-lr). Not fused: fused SGD has no DTensor sharding rule.
+DPO_SGD = ("optimizer._component_=torch.optim.SGD", "optimizer.lr=1e-3", "optimizer.fused=false", "clip_grad_norm=null")
 
 
 @pytest.mark.parametrize("kind", ["lora", "full"])
@@ -102,7 +109,7 @@ def test_dpo_on_two_ranks_equals_one_device(two_ranks, smollm2_assets, tmp_path,
     """Preference tuning: 2 ranks x 1 pair x 2 accumulation steps == one device x 2 pairs x 2 (7 pairs: steps of 4
     and 3, the short one's 3 pairs spread over the ranks unevenly), loss, grad norm and pair metrics to fp32
     precision, validation included; step 1 is ln 2 (the reference is the base)."""
-    cfg = tiny_dpo_config(kind, smollm2_assets, two_ranks, tmp_path / "one")
+    cfg = tiny_dpo_config(kind, smollm2_assets, two_ranks, tmp_path / "one", *DPO_SGD)
     run_recipe(recipe_class(*DPO_RUNS[kind][:2]), cfg)
     one = read_jsonl(tmp_path / "one" / "logs" / "metrics.jsonl")
     two = read_jsonl(two_ranks / f"dpo_{kind}_dist" / "logs" / "metrics.jsonl")
@@ -114,7 +121,10 @@ def test_dpo_on_two_ranks_equals_one_device(two_ranks, smollm2_assets, tmp_path,
         for key in ("loss", "grad_norm", "rewards/margins", "rewards/accuracies", "logps/chosen", "val_loss",
                     "val_rewards/margins", "val_logps/rejected"):
             if key in want:
-                assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), (got["step"], key)
+                # abs: DPO's h is a small difference of log-probability sums of a few hundred nats each, whose fp32
+                # rounding (~3e-5) depends on the summation order; once the policy has left its reference that
+                # shows in loss and margins at ~1e-5 absolute (measured: 8e-6), whatever the split
+                assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-4), (got["step"], key)
 
 
 def test_resume_on_another_world_size(two_ranks, smollm2_assets, tmp_path):
