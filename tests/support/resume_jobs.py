@@ -26,7 +26,7 @@ from omegaconf import OmegaConf
 
 from tests.support.helpers import read_jsonl, recipe_class
 from tests.support.tiny_setup import DIM, HEADS, HIDDEN, KV_HEADS, LAYERS, MAX_SEQ_LEN, write_tiny_setup
-from torchtune_ext.config import DISTRIBUTED_KEYS, LORA_KEYS, validate
+from torchtune_ext.config import DISTILLATION_KEYS, DISTRIBUTED_KEYS, LORA_KEYS, validate
 
 RECIPES = {
     # name: (recipe file, class, extra schema keys)
@@ -35,6 +35,9 @@ RECIPES = {
     "full_dist": ("recipes/full_finetune_distributed.py", "FullFinetuneRecipeDistributed", DISTRIBUTED_KEYS),
     "lora_dist": ("recipes/lora_finetune_distributed.py", "LoRAFinetuneRecipeDistributed",
                   {**LORA_KEYS, **DISTRIBUTED_KEYS}),
+    # a LoRA student (tests/integration/recipes/test_distillation.py)
+    "kd_lora_dist": ("recipes/knowledge_distillation_distributed.py", "KDRecipeDistributed",
+                     {**DISTILLATION_KEYS, **LORA_KEYS, **DISTRIBUTED_KEYS}),
 }
 # 16 samples, batch 2 x 2 accumulation: 4 steps per epoch; 3 epochs; cosine LR with warmup; no periodic saves
 SETTINGS = ["epochs=3", "batch_size=2", "gradient_accumulation_steps=2", "log_every_n_steps=1",

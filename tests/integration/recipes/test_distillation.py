@@ -56,6 +56,12 @@ def kd_config(assets, tmp_path, name, model, *overrides):
     return cfg
 
 
+# batch 4 on one device against 2 ranks x batch 2 (the job "kd_two_ranks" of the shared 2-rank launch,
+# tests/integration/recipes/test_distributed_recipes.py, which compares them)
+KD_LORA_ALIKE = ["max_steps_per_epoch=2", "gradient_accumulation_steps=1", "lr_scheduler=null",
+                 "save_final_checkpoint=false"]
+
+
 @pytest.fixture(scope="module")
 def runs(smollm2_assets, tmp_path_factory):
     """One LoRA and one full distillation run (3 steps of 2 x 2 samples each): (recipe, checked config) by name."""
