@@ -82,6 +82,7 @@ def test_logged_loss_is_the_weighted_sum_of_its_terms(runs, name):
     for r in rows:
         assert r["kd_loss"] > 0 and r["ce_loss"] > 0 and r["num_tokens"] > 0
         assert abs(r["loss"] - ((1 - KD_RATIO) * r["ce_loss"] + KD_RATIO * r["kd_loss"])) <= 1e-5 * r["loss"]
+        assert 0 < r["teacher_seconds"] < r["step_seconds"]  # the teacher's forwards, a share of the step
 
 
 @pytest.mark.parametrize("name", ["lora", "full"])
