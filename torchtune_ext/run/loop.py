@@ -150,6 +150,8 @@ class TrainingRun:
             self.progress = self._resumed.progress
             self.log(f"Resuming from {resume_from} (step {self.progress.step})")
         self.resume_from: Optional[Path] = resume_from
+        # the resolved config of the run that wrote it (None: a fresh run, or an older checkpoint)
+        self.resumed_config: Optional[Dict[str, Any]] = self._resumed.config if self._resumed else None
 
         # Data first: a bad dataset fails before anything is loaded or written.
         self.tokenizer = build_tokenizer(cfg.tokenizer)
