@@ -27,7 +27,7 @@ from omegaconf import OmegaConf
 from tests.support.dpo_tiny import RUNS as DPO_RUNS
 from tests.support.helpers import read_jsonl, recipe_class
 from tests.support.tiny_setup import DIM, HEADS, HIDDEN, KV_HEADS, LAYERS, MAX_SEQ_LEN, write_tiny_setup
-from torchtune_ext.config import DISTRIBUTED_KEYS, LORA_KEYS, validate
+from torchtune_ext.config import DISTILLATION_KEYS, DISTRIBUTED_KEYS, LORA_KEYS, validate
 
 RECIPES = {
     # name: (recipe file, class, extra schema keys)
@@ -38,6 +38,9 @@ RECIPES = {
                   {**LORA_KEYS, **DISTRIBUTED_KEYS}),
     # preference tuning (tests/support/dpo_tiny.py)
     **{f"dpo_{kind}": (file, cls, keys) for kind, (file, cls, _, _, keys) in DPO_RUNS.items()},
+    # a LoRA student (tests/integration/recipes/test_distillation.py)
+    "kd_lora_dist": ("recipes/knowledge_distillation_distributed.py", "KDRecipeDistributed",
+                     {**DISTILLATION_KEYS, **LORA_KEYS, **DISTRIBUTED_KEYS}),
 }
 # 16 samples, batch 2 x 2 accumulation: 4 steps per epoch; 3 epochs; cosine LR with warmup; no periodic saves
 SETTINGS = ["epochs=3", "batch_size=2", "gradient_accumulation_steps=2", "log_every_n_steps=1",

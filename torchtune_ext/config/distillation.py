@@ -71,3 +71,29 @@ def check_teacher(cfg: DictConfig) -> None:
         raise ConfigError(key, f"'{path}' does not exist, nor the student's '{student}'. Download both first: "
                           f"{_download_hint(str(student))} and {_download_hint(path)}")
     raise ConfigError(key, f"'{path}' does not exist. Download the teacher first: {_download_hint(path)}")
+
+
+def _teacher_identity(cfg: Any) -> tuple:
+    """What names a teacher in a config (a resolved dict or a DictConfig): its folder, builder, checkpoint."""
+    builder = cfg.get("teacher_model") or {}
+    checkpointer = cfg.get("teacher_checkpointer") or {}
+    return (cfg.get("teacher_model_dir"), builder.get("_component_"), checkpointer.get("checkpoint_dir"))
+
+
+def check_same_teacher(saved_config: Any, cfg: DictConfig) -> None:
+    """Refuse to resume a distillation run with another teacher than the one it was saved with.
+
+    Args:
+        saved_config: the resolved config the checkpoint holds (None: not known; nothing is checked).
+        cfg: this run's config.
+
+    Raises:
+        ConfigError: (key ``teacher_model``) naming the saved teacher.
+    """
+    if saved_config is None:
+        return
+    saved, now = _teacher_identity(saved_config), _teacher_identity(cfg)
+    if saved != now:
+        was = saved[0] or f"{saved[1]} from {saved[2]}"
+        raise ConfigError("teacher_model", f"the run was saved distilling from {was}; resume it with that teacher "
+                          "(another teacher changes the objective mid-run), or start a new run in another output_dir")

@@ -15,7 +15,7 @@ from typing import Any, Dict, Optional
 from omegaconf import DictConfig
 
 from torchtune_ext import config as recipe_config
-from torchtune_ext.config.distillation import check_teacher
+from torchtune_ext.config.distillation import check_same_teacher, check_teacher
 from torchtune_ext.data.tokenizer import build_tokenizer
 from torchtune_ext.model.teacher import build_teacher, check_vocabulary
 from torchtune_ext.train.distill import DistillationObjective, build_kd_loss
@@ -61,9 +61,10 @@ def distil(run: Any, *, shard: Optional[dict] = None) -> DistillationObjective:
         the objective now in ``run.objective``.
 
     Raises:
-        ConfigError: a bad ``kd_loss``.
+        ConfigError: a bad ``kd_loss``; a resumed run's teacher is not the one it was saved with.
     """
     cfg = run.cfg
+    check_same_teacher(run.resumed_config, cfg)  # before the teacher loads
     kd_loss = build_kd_loss(cfg.kd_loss, run.loss_fn.ignore_index)
     teacher, project = build_teacher(cfg, run.device, shard=shard)
     run.teacher = teacher

@@ -158,6 +158,8 @@ class TrainingRun:
             self.progress = self._resumed.progress
             self.log(f"Resuming from {resume_from} (step {self.progress.step})")
         self.resume_from: Optional[Path] = resume_from
+        # the resolved config of the run that wrote it (None: a fresh run, or an older checkpoint)
+        self.resumed_config: Optional[Dict[str, Any]] = self._resumed.config if self._resumed else None
 
         # Data first: a bad dataset fails before anything is loaded or written.
         self.tokenizer = build_tokenizer(cfg.tokenizer)
@@ -263,12 +265,17 @@ class TrainingRun:
                     return self._stop.stop(saved, progress.step)
                 reporter.start_step()
                 lr = training.get_lr(self.optimizer)
+                step_metrics = getattr(self.objective, "step_metrics", None)  # an objective's own timings
+                if step_metrics is not None:
+                    step_metrics()  # from here on: what validation measured is not this step's
                 result = train_step(
                     self.model, self.optimizer, self.objective, step_data.micro_batches, device=self.device,
                     backward=cfg.backward, clip_grad_norm=cfg.clip_grad_norm, dp_group=self.dp_group,
                     health=self._health, step=progress.step + 1, memory_guard=self._memory_guard,
                     baseline=step_data.baseline,
                 )
+                if step_metrics is not None:
+                    result.metrics.update(step_metrics())
                 if self.lr_scheduler is not None:
                     self.lr_scheduler.step()
                 progress.complete_step(skipped=result.skipped is not None, end_sample=step_data.end_sample,

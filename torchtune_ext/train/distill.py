@@ -208,6 +208,12 @@ class DistillationObjective:
         count = accounting.count_trainable_tokens(labels, self.ignore_index)  # the tensor the sums run over
         return Prepared(inputs, labels, count, count)
 
+    def step_metrics(self) -> dict:
+        """``{"teacher_seconds": ...}``: the teacher's forward time since the last call (the loop calls it
+        before and after each optimizer step; the step record logs it)."""
+        seconds, self.teacher_seconds = self.teacher_seconds, 0.0
+        return {"teacher_seconds": seconds}
+
     def teacher_hidden(self, tokens: torch.Tensor, **inputs) -> torch.Tensor:
         """The teacher's final hidden states under ``torch.no_grad`` (timed in :attr:`teacher_seconds`)."""
         start = time.perf_counter()

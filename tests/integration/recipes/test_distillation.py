@@ -12,6 +12,7 @@ import json
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from tests.support.helpers import read_jsonl, recipe_class, run_recipe, tiny_alpaca16_config
@@ -56,13 +57,19 @@ def kd_config(assets, tmp_path, name, model, *overrides):
     return cfg
 
 
+# batch 4 on one device against 2 ranks x batch 2 (the job "kd_two_ranks" of the shared 2-rank launch,
+# tests/integration/recipes/test_distributed_recipes.py, which compares them)
+KD_LORA_ALIKE = ["max_steps_per_epoch=2", "gradient_accumulation_steps=1", "lr_scheduler=null",
+                 "save_final_checkpoint=false"]
+
+
 @pytest.fixture(scope="module")
 def runs(smollm2_assets, tmp_path_factory):
     """One LoRA and one full distillation run (3 steps of 2 x 2 samples each): (recipe, checked config) by name."""
     tmp = tmp_path_factory.mktemp("kd")
     out = {}
     for name, model in (("lora", TINY_LORA), ("full", TINY)):
-        cfg = kd_config(smollm2_assets, tmp, name, model)
+        cfg = kd_config(smollm2_assets, tmp, name, model, "save_every_n_steps=2")  # step_2 and step_3 saved
         cfg = validate(cfg, extra_keys=distillation_keys(cfg))
         out[name] = (run_recipe(RECIPE, cfg), cfg)
     return out
@@ -76,6 +83,7 @@ def test_logged_loss_is_the_weighted_sum_of_its_terms(runs, name):
     for r in rows:
         assert r["kd_loss"] > 0 and r["ce_loss"] > 0 and r["num_tokens"] > 0
         assert abs(r["loss"] - ((1 - KD_RATIO) * r["ce_loss"] + KD_RATIO * r["kd_loss"])) <= 1e-5 * r["loss"]
+        assert 0 < r["teacher_seconds"] < r["step_seconds"]  # the teacher's forwards, a share of the step
 
 
 @pytest.mark.parametrize("name", ["lora", "full"])
@@ -93,6 +101,26 @@ def test_teacher_is_frozen_and_never_saved(runs, name):
     assert not any(k.startswith("model.layers.2.") for k in saved)
     student = {n for n, p in recipe.model.named_parameters() if p.requires_grad}
     assert student and (name == "full") == (len(student) == len(list(recipe.model.parameters())))
+
+
+@pytest.mark.parametrize("name", ["lora", "full"])
+def test_resume_continues_as_the_straight_run(runs, smollm2_assets, tmp_path, name):
+    """step_2 of the run, resumed: step 3 gives the same loss, kd_loss and grad_norm (the teacher is rebuilt from
+    its checkpoint, nothing of it is in step_2)."""
+    import shutil
+
+    recipe, cfg = runs[name]
+    resumed = tmp_path / "resumed"
+    shutil.copytree(f"{cfg.output_dir}/step_2", resumed / "step_2")
+    again = OmegaConf.merge(cfg, {"output_dir": str(resumed), "resume_from_checkpoint": True})
+    again.checkpointer.output_dir = str(resumed)
+    again.teacher_checkpointer.output_dir = str(resumed)
+    run_recipe(RECIPE, validate(again, extra_keys=distillation_keys(again)))
+    (got,) = read_jsonl(resumed / "logs" / "metrics.jsonl")
+    want = read_jsonl(f"{cfg.output_dir}/logs/metrics.jsonl")[2]
+    assert got["step"] == want["step"] == 3 and got["num_tokens"] == want["num_tokens"]
+    for key in ("loss", "kd_loss", "grad_norm"):
+        assert got[key] == pytest.approx(want[key], rel=1e-5), key
 
 
 def test_bad_distillation_input_is_one_line(smollm2_assets, tmp_path):

@@ -19,6 +19,9 @@ from omegaconf import OmegaConf
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from tests.integration.recipes.test_distillation import KD_LORA_ALIKE, kd_config
+from tests.integration.recipes.test_distillation import RECIPE as KD_RECIPE
+from tests.integration.recipes.test_distillation import TINY_LORA as KD_TINY_LORA
 from tests.support import resume_jobs
 from tests.support.dpo_tiny import RUNS as DPO_RUNS
 from tests.support.dpo_tiny import tiny_dpo_config, write_tiny_pairs
@@ -34,6 +37,7 @@ from tests.support.wandb_reader import read_offline_run
 from torchtune_ext import parallel as distributed
 from torchtune_ext.checkpoint import list_checkpoints
 from torchtune_ext.config import DISTRIBUTED_KEYS, LORA_KEYS, ConfigError, validate
+from torchtune_ext.run.distillation import distillation_keys
 
 RECIPE = "recipes/full_finetune_distributed.py"
 CONFIG = "configs/smollm2/135M_full.yaml"
@@ -60,6 +64,12 @@ def tiny_lora_config(assets, tmp_path, output_dir, *overrides):
     return tiny_alpaca16_config(LORA_CONFIG, TINY_LORA, assets, tmp_path, output_dir, *overrides)
 
 
+def kd_two_ranks_config(assets, tmp_path, output_dir, *overrides):
+    """The distillation job of the shared launch (tests/integration/recipes/test_distillation.py checks it)."""
+    return kd_config(assets, tmp_path, output_dir.name, KD_TINY_LORA, *KD_LORA_ALIKE, *overrides,
+                     "custom_sharded_layers=null")
+
+
 # ------------------------------------------------------------------ the tiny runs: one launch
 # full: 2 ranks x batch 1 x 2 accumulation steps, saved at step 2, resumed on 1 rank by its test
 FULL_SETTINGS = ["max_steps_per_epoch=4", "save_every_n_steps=2", "gradient_accumulation_steps=2",
@@ -84,7 +94,9 @@ def two_ranks(smollm2_assets, tmp_path_factory):
     runs = {"full_straight": ("full_dist", tiny_config, [*FULL_SETTINGS, "batch_size=1"]),
             "lora_straight": ("lora_dist", tiny_lora_config, LORA_SETTINGS),
             "lora_two_ranks": ("lora_dist", tiny_lora_config, [*alike_settings(False), "batch_size=2"]),
-            "dora_two_ranks": ("lora_dist", tiny_lora_config, [*alike_settings(True), "batch_size=2"])}
+            "dora_two_ranks": ("lora_dist", tiny_lora_config, [*alike_settings(True), "batch_size=2"]),
+            # distillation, 2 ranks x batch 2: compared with one device x batch 4 in test_distillation.py
+            "kd_two_ranks": ("kd_lora_dist", kd_two_ranks_config, ["batch_size=2"])}
     jobs = []
     for name, (recipe, config, overrides) in runs.items():
         OmegaConf.save(config(smollm2_assets, root, root / name, *overrides), root / f"{name}.yaml")
@@ -209,6 +221,20 @@ def test_dora_on_one_rank_starts_like_single_device(smollm2_assets, tmp_path):
         assert not (tmp_path / name / "step_1" / "model-00001-of-00001.safetensors").exists()
     assert losses["dist"][1] == losses["single"][1]
     assert abs(losses["dist"][0] - losses["single"][0]) <= 1e-6 * losses["single"][0]
+
+
+def test_two_ranks_distil_like_one_device(two_ranks, smollm2_assets, tmp_path):
+    """The same steps at batch 4 on one device and at 2 ranks x batch 2 (FSDP2, the teacher sharded too):
+    the same num_tokens, loss, ce_loss, kd_loss and grad_norm."""
+    cfg = kd_config(smollm2_assets, two_ranks, "kd_one_device", KD_TINY_LORA, *KD_LORA_ALIKE, "batch_size=4")
+    run_recipe(KD_RECIPE, validate(cfg, extra_keys=distillation_keys(cfg)))
+    reference = read_jsonl(two_ranks / "kd_one_device" / "logs" / "metrics.jsonl")
+    rows = read_jsonl(two_ranks / "kd_two_ranks" / "logs" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [r["step"] for r in reference] == [1, 2]
+    for got, want in zip(rows, reference):
+        assert got["num_tokens"] == want["num_tokens"] and got["dp_world_size"] == 2
+        for key in ("loss", "ce_loss", "kd_loss", "grad_norm"):
+            assert got[key] == pytest.approx(want[key], rel=1e-5), (got["step"], key)
 
 
 # ------------------------------------------------------------------ through tune run, and in process

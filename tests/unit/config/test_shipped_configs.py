@@ -19,7 +19,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from tests.support.helpers import REPO_ROOT
-from torchtune_ext.config import DISTRIBUTED_KEYS, LORA_KEYS, ConfigError, validate
+from torchtune_ext.config import DISTILLATION_KEYS, DISTRIBUTED_KEYS, LORA_KEYS, ConfigError, validate
 from torchtune_ext.config.preference import PREFERENCE_KEYS
 
 CONFIGS = sorted((REPO_ROOT / "configs").rglob("*.yaml"))
@@ -32,6 +32,10 @@ def _schema(path: Path):
     keys = {}
     if "lora_finetune" in text.split("\n\n")[0] or "lora_dpo" in text.split("\n\n")[0]:
         keys.update(LORA_KEYS)
+    if "knowledge_distillation" in text.split("\n\n")[0]:  # a LoRA student: the LoRA keys too
+        keys.update(DISTILLATION_KEYS)
+        if "lora" in path.name:
+            keys.update(LORA_KEYS)
     if "_distributed.py" in text.split("\n\n")[0]:
         keys.update(DISTRIBUTED_KEYS)
     if "_dpo_" in text.split("\n\n")[0]:
@@ -42,7 +46,7 @@ def _schema(path: Path):
 def test_some_shipped_configs_validate():
     # the SmolLM2 configs (Alpaca and Shakespeare, full and LoRA, 1 and 2 ranks; DPO) and the Hugging Face ones
     smollm2 = [p for p in CONFIGS if p.parent.name == "smollm2"]
-    assert len([p for p in smollm2 if "_dpo" not in p.name]) == 6 and set(smollm2) <= set(WITH_VALIDATION)
+    assert len([p for p in smollm2 if "_dpo" not in p.name]) == 9 and set(smollm2) <= set(WITH_VALIDATION)  # 6 fine-tuning, 3 distillation
     assert all(p in WITH_VALIDATION for p in CONFIGS if p.parent.name in ("hf", "qwen3", "gemma3", "qwen3_moe"))
 
 
@@ -56,6 +60,8 @@ def test_a_validation_set_is_used(path, tmp_path, caplog):
     cfg.checkpointer.output_dir = cfg.output_dir
     if OmegaConf.is_missing(cfg, "model_dir"):  # configs/hf: the one key left to the command line
         cfg.model_dir = str(tmp_path / "model")
+    if OmegaConf.is_missing(cfg, "teacher_model_dir"):  # configs/hf KD: the teacher's folder too
+        cfg.teacher_model_dir = str(tmp_path / "teacher")
     with caplog.at_level(logging.INFO):
         try:
             validate(cfg, extra_keys=_schema(path))

@@ -1,0 +1,49 @@
+"""The distillation keys' checks (torchtune_ext.config.distillation)."""
+
+import pytest
+from omegaconf import OmegaConf
+
+from torchtune_ext.config.distillation import check_same_teacher, check_teacher, optional_dtype, unit_interval
+from torchtune_ext.errors import ConfigError
+
+TEACHER = {"teacher_model": {"_component_": "torchtune_ext.model.builders.smollm2_135m"},
+           "teacher_checkpointer": {"checkpoint_dir": "assets/SmolLM2-135M-Instruct"}}
+
+
+def test_kd_ratio_and_teacher_dtype():
+    for good in (0, 0.5, 1):
+        unit_interval("kd_ratio", good)
+    for bad in (-0.1, 1.5, True, "0.5"):
+        with pytest.raises(ConfigError, match="kd_ratio"):
+            unit_interval("kd_ratio", bad)
+    optional_dtype("teacher_dtype", None)
+    optional_dtype("teacher_dtype", "bf16")
+    with pytest.raises(ConfigError, match="teacher_dtype"):
+        optional_dtype("teacher_dtype", "float16")
+
+
+def test_one_teacher_with_its_checkpointer():
+    with pytest.raises(ConfigError) as err:
+        check_teacher(OmegaConf.create({}))
+    assert err.value.key == "teacher_model"
+    with pytest.raises(ConfigError) as err:
+        check_teacher(OmegaConf.create({**TEACHER, "teacher_model_dir": "x"}))
+    assert err.value.key == "teacher_model_dir"
+    with pytest.raises(ConfigError) as err:
+        check_teacher(OmegaConf.create({"teacher_model": TEACHER["teacher_model"]}))
+    assert err.value.key == "teacher_checkpointer"
+    with pytest.raises(ConfigError, match="python -m torchtune_ext.download") as err:
+        check_teacher(OmegaConf.create({**TEACHER, "teacher_checkpointer": {"checkpoint_dir": "assets/missing"}}))
+    assert err.value.key == "teacher_checkpointer.checkpoint_dir"
+
+
+def test_resume_with_another_teacher_is_refused():
+    cfg = OmegaConf.create(TEACHER)
+    check_same_teacher(None, cfg)  # nothing saved: nothing to compare
+    check_same_teacher(OmegaConf.to_container(cfg), cfg)
+    other = OmegaConf.create({**TEACHER, "teacher_checkpointer": {"checkpoint_dir": "models/another"}})
+    with pytest.raises(ConfigError, match="assets/SmolLM2-135M-Instruct") as err:
+        check_same_teacher(OmegaConf.to_container(cfg), other)
+    assert err.value.key == "teacher_model" and "\n" not in str(err.value)
+    with pytest.raises(ConfigError):
+        check_same_teacher({"teacher_model_dir": "models/a"}, OmegaConf.create({"teacher_model_dir": "models/b"}))
