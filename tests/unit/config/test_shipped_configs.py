@@ -46,7 +46,8 @@ def _schema(path: Path):
 def test_some_shipped_configs_validate():
     # the SmolLM2 configs (Alpaca and Shakespeare, full and LoRA, 1 and 2 ranks; DPO) and the Hugging Face ones
     smollm2 = [p for p in CONFIGS if p.parent.name == "smollm2"]
-    assert len([p for p in smollm2 if "_dpo" not in p.name]) == 9 and set(smollm2) <= set(WITH_VALIDATION)  # 6 fine-tuning, 3 distillation
+    # 6 fine-tuning, 3 distillation
+    assert len([p for p in smollm2 if "_dpo" not in p.name]) == 9 and set(smollm2) <= set(WITH_VALIDATION)
     assert all(p in WITH_VALIDATION for p in CONFIGS if p.parent.name in ("hf", "qwen3", "gemma3", "qwen3_moe"))
 
 
