@@ -48,14 +48,14 @@ def test_the_error_line_comes_after_the_wandb_summary_and_the_run_is_marked_fail
 
 
 @pytest.mark.parametrize("recipe,words", [
-    ("recipes/full_finetune_single_devic.py", ["is neither one of torchtune's nor a file; the recipes here: "
-                                               "recipes/full_finetune_distributed.py, "]),
+    ("recipes/full_finetune_single_devic.py", ["is neither one of torchtune's nor a file; the recipes here: ",
+                                               "recipes/full_finetune_single_device.py"]),
     ("ABS", ["tune run imports a recipe file by its path relative to the working directory",
              "as recipes/full_finetune_single_device.py"]),
     # tune run drops the "extension" .full_finetune_single_device and would run the package recipes
     ("recipes.full_finetune_single_device", ["is neither one of torchtune's nor a file (tune run takes a file "
                                              "path; what follows the last '.' is read as its extension); the "
-                                             "recipes here: recipes/full_finetune_distributed.py"]),
+                                             "recipes here: ", "recipes/full_finetune_single_device.py"]),
 ], ids=["misspelled", "absolute", "dotted"])
 def test_a_recipe_path_tune_run_cannot_import_is_a_command_line_error(recipe, words):
     """tune run makes a module name of the path: without the check, a misspelled or absolute path is an

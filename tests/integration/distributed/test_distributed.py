@@ -166,7 +166,7 @@ def test_uneven_dataset_steps(results):
 
 def test_logged_loss_is_identical_on_every_rank(results):
     for name, r in results.items():
-        if r["world_size"] == 2:
+        if r.get("world_size") == 2:  # the training cases (the config-agreement case trains nothing)
             assert r["losses_by_rank"][0] == r["losses_by_rank"][1], name
 
 

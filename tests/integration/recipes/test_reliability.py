@@ -169,7 +169,7 @@ def test_config_errors_name_the_key(tiny_run, override):
     ("~model", ["'~model'", "component"]),
     ("gradient_accumulation_steps=-1", ["gradient_accumulation_steps", "positive integer"]),
     ("optimizer.lr=-1", ["'optimizer'", "Invalid learning rate: -1"]),
-    ("dataset.data_files=DATA", ["'dataset'", "could not load"]),
+    ("dataset.data_files=DATA", ["'dataset'", "is not valid JSON at line 1", "fix that line"]),
     ("dataset.data_files=COLUMNS", ["'dataset'", "no column 'instruction'"]),
     ("checkpointer.checkpoint_dir=TRUNCATED", ["checkpointer.checkpoint_dir", "model.safetensors"]),
     ("model.embed_dim=32", ["checkpointer.checkpoint_dir", "does not fit"]),
