@@ -85,6 +85,24 @@ def collate_as_pack(samples: List[Sample]) -> Dict[str, torch.Tensor]:
     }
     return collate_packed([pack])
 
+def dataset_configs(cfg_dataset: Any) -> List[Any]:
+    """A dataset key's configs: the one it holds, or each of a list (concatenated by the caller)."""
+    return list(cfg_dataset) if isinstance(cfg_dataset, (list, ListConfig)) else [cfg_dataset]
+
+
+def dataset_items(cfgs: List[Any], key: str) -> List[Tuple[str, Any]]:
+    """(the name errors give it, config) per dataset config: ``key``, or ``key[i]`` in a list."""
+    return [(key if len(cfgs) == 1 else f"{key}[{i}]", c) for i, c in enumerate(cfgs)]
+
+
+def instantiate_dataset(cfg: Any, tokenizer: Any, item: str) -> Dataset:
+    """``cfg`` built with ``tokenizer``; an unreadable file is one :class:`ConfigError` naming ``item``."""
+    try:
+        return tt_config.instantiate(cfg, tokenizer)
+    except Exception as err:  # the datasets library raises many types for unreadable files
+        raise explain_unreadable(err, item, cfg) from err
+
+
 def build_dataset(cfg_dataset: Any, tokenizer: Any, key: str = "dataset", *,
                   ignore_index: int = CROSS_ENTROPY_IGNORE_INDEX, data_errors: str = "warn",
                   model_max_seq_len: Optional[int] = None, training: bool = False,
@@ -114,17 +132,13 @@ def build_dataset(cfg_dataset: Any, tokenizer: Any, key: str = "dataset", *,
             trainable token), mixes packed and
             unpacked datasets, or has data errors with ``data_errors="error"``.
     """
-    cfgs = list(cfg_dataset) if isinstance(cfg_dataset, (list, ListConfig)) else [cfg_dataset]
+    cfgs = dataset_configs(cfg_dataset)
     packed = {bool(c.get("packed", False)) for c in cfgs}
     if len(packed) > 1:
         raise ConfigError(key, "packed and unpacked datasets cannot be mixed")
     datasets, reports = [], []
-    for i, c in enumerate(cfgs):
-        item = key if len(cfgs) == 1 else f"{key}[{i}]"
-        try:
-            datasets.append(tt_config.instantiate(c, tokenizer))
-        except Exception as err:  # the datasets library raises many types for unreadable files
-            raise explain_unreadable(err, item, c) from err
+    for item, c in dataset_items(cfgs, key):
+        datasets.append(instantiate_dataset(c, tokenizer, item))
         reports.append(check_dataset(datasets[-1], c, item, ignore_index=ignore_index,
                                      max_seq_len=getattr(tokenizer, "max_seq_len", None),
                                      model_max_seq_len=model_max_seq_len))

@@ -25,11 +25,10 @@ with its index, before the model loads.
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
-from omegaconf import ListConfig
 from torch.utils.data import ConcatDataset, Dataset
-from torchtune import config as tt_config
 
 from torchtune_ext.data.check import explain_unreadable
+from torchtune_ext.data.datasets import dataset_configs, dataset_items, instantiate_dataset
 from torchtune_ext.data.step_loader import StepLoader
 from torchtune_ext.errors import ConfigError
 
@@ -115,14 +114,9 @@ def build_pair_dataset(cfg_dataset: Any, tokenizer: Any, key: str = "dataset", *
     Raises:
         ConfigError: (key ``key``) a dataset that cannot be loaded, or as :func:`check_pairs`.
     """
-    cfgs = list(cfg_dataset) if isinstance(cfg_dataset, (list, ListConfig)) else [cfg_dataset]
     datasets = []
-    for i, cfg in enumerate(cfgs):
-        item = key if len(cfgs) == 1 else f"{key}[{i}]"
-        try:
-            datasets.append(tt_config.instantiate(cfg, tokenizer))
-        except Exception as err:  # the datasets library raises many types for unreadable files
-            raise explain_unreadable(err, item, cfg) from err
+    for item, cfg in dataset_items(dataset_configs(cfg_dataset), key):
+        datasets.append(instantiate_dataset(cfg, tokenizer, item))
         check_pairs(datasets[-1], item, ignore_index=ignore_index, model_max_seq_len=model_max_seq_len,
                     cfg_dataset=cfg)
     dataset = datasets[0] if len(datasets) == 1 else ConcatDataset(datasets)
