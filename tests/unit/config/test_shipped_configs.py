@@ -11,6 +11,7 @@
 """
 
 import collections
+import functools
 import json
 import logging
 from pathlib import Path
@@ -74,11 +75,18 @@ def test_a_validation_set_is_used(path, tmp_path, caplog):
 
 def _records(cfg_dataset):
     """The dataset's records as the recipe loads them (torchtune hands these keys to datasets.load_dataset)."""
+    given = OmegaConf.to_container(cfg_dataset, resolve=True)
+    kwargs = {k: given[k] for k in ("data_files", "split", "name", "data_dir") if given.get(k) is not None}
+    return list(_load_records(given["source"], json.dumps(kwargs, sort_keys=True)))
+
+
+@functools.lru_cache(maxsize=None)
+def _load_records(source, kwargs_json):
+    """Loaded once per (source, keys): the full and LoRA configs of a dataset share its file and its slices."""
     import datasets
 
-    kwargs = {k: cfg_dataset[k] for k in ("data_files", "split", "name", "data_dir") if cfg_dataset.get(k) is not None}
-    rows = datasets.load_dataset(cfg_dataset.source, **kwargs)
-    return [json.dumps(row, sort_keys=True) for row in rows]
+    rows = datasets.load_dataset(source, **json.loads(kwargs_json))
+    return tuple(json.dumps(row, sort_keys=True) for row in rows)
 
 
 @pytest.mark.parametrize("path", WITH_VALIDATION, ids=[str(p.relative_to(REPO_ROOT / "configs"))
