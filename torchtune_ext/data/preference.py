@@ -27,7 +27,14 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 from torch.utils.data import ConcatDataset, Dataset
 
-from torchtune_ext.data.check import explain_unreadable
+from torchtune_ext.data.check import (
+    DataReport,
+    ModelVocabulary,
+    check_token_ids,
+    dataset_source,
+    explain_unreadable,
+    model_vocabulary,
+)
 from torchtune_ext.data.datasets import dataset_configs, dataset_items, instantiate_dataset
 from torchtune_ext.data.step_loader import StepLoader
 from torchtune_ext.errors import ConfigError
@@ -79,8 +86,12 @@ def _trainable_after_shift(labels: Sequence[int], ignore_index: int) -> int:
 
 
 def check_pairs(dataset: Dataset, key: str, *, ignore_index: int, model_max_seq_len: Optional[int] = None,
-                cfg_dataset: Any = None) -> None:
+                cfg_dataset: Any = None) -> DataReport:
     """Read every pair once: both responses present, each with a trainable token, none longer than the model.
+
+    Returns:
+        DataReport: the pairs' largest token id and the pair holding it, for
+        :func:`torchtune_ext.data.check.check_token_ids` (the check the SFT data makes).
 
     Raises:
         ConfigError: (key ``key``) a record the dataset cannot read (a missing ``chosen`` or ``rejected``
@@ -88,6 +99,7 @@ def check_pairs(dataset: Dataset, key: str, *, ignore_index: int, model_max_seq_
             a response with no trainable token (empty, or cut away at ``tokenizer.max_seq_len``), a
             sequence longer than ``model_max_seq_len``; each naming the first sample's index.
     """
+    report = DataReport(key, dataset_source(cfg_dataset or {}))
     for index in range(len(dataset)):
         try:
             pair = dataset[index]
@@ -98,6 +110,7 @@ def check_pairs(dataset: Dataset, key: str, *, ignore_index: int, model_max_seq_
             raise ConfigError(key, f"sample {index} has no {', '.join(missing)}: not a preference dataset; use "
                               "torchtune.datasets.preference_dataset (chosen/rejected message lists)")
         for side in ("chosen", "rejected"):
+            report.see_tokens(pair[f"{side}_input_ids"], index)
             if _trainable_after_shift(pair[f"{side}_labels"], ignore_index) == 0:
                 raise ConfigError(key, f"pair {index}: the {side} response has no trainable token (empty, or "
                                   "cut away at tokenizer.max_seq_len); remove the pair or raise max_seq_len")
@@ -105,20 +118,29 @@ def check_pairs(dataset: Dataset, key: str, *, ignore_index: int, model_max_seq_
             if model_max_seq_len is not None and length > model_max_seq_len:
                 raise ConfigError(key, f"pair {index}: the {side} sequence has {length} tokens, more than the "
                                   f"model's {model_max_seq_len}; set tokenizer.max_seq_len <= {model_max_seq_len}")
+    return report
+
 
 
 def build_pair_dataset(cfg_dataset: Any, tokenizer: Any, key: str = "dataset", *, ignore_index: int = -100,
-                       model_max_seq_len: Optional[int] = None) -> PairDataset:
+                       model_max_seq_len: Optional[int] = None,
+                       vocabulary: Optional[ModelVocabulary] = None) -> PairDataset:
     """Instantiate a preference dataset config (or a list, concatenated), check every pair, wrap it.
 
+    ``vocabulary``: the model's token embedding; a token id of either response at or past its rows is
+    refused (:func:`torchtune_ext.data.check.check_token_ids`, the SFT data's check; None: not checked).
+
     Raises:
-        ConfigError: (key ``key``) a dataset that cannot be loaded, or as :func:`check_pairs`.
+        ConfigError: (key ``key``) a dataset that cannot be loaded, or as :func:`check_pairs`; (key
+            ``tokenizer``) a token id the model has no embedding for, naming the tokenizer, the model and
+            both sizes.
     """
-    datasets = []
+    datasets, reports = [], []
     for item, cfg in dataset_items(dataset_configs(cfg_dataset), key):
         datasets.append(instantiate_dataset(cfg, tokenizer, item))
-        check_pairs(datasets[-1], item, ignore_index=ignore_index, model_max_seq_len=model_max_seq_len,
-                    cfg_dataset=cfg)
+        reports.append(check_pairs(datasets[-1], item, ignore_index=ignore_index,
+                                   model_max_seq_len=model_max_seq_len, cfg_dataset=cfg))
+    check_token_ids(reports, vocabulary)
     dataset = datasets[0] if len(datasets) == 1 else ConcatDataset(datasets)
     if len(dataset) == 0:
         raise ConfigError(key, "the dataset yields zero pairs")
@@ -126,18 +148,21 @@ def build_pair_dataset(cfg_dataset: Any, tokenizer: Any, key: str = "dataset", *
 
 
 def build_pair_loader(cfg: Any, tokenizer: Any, *, seed: int, ignore_index: int,
-                      model_max_seq_len: Optional[int] = None, dp_rank: int = 0, dp_world_size: int = 1,
-                      key: str = "dataset", training: bool = True) -> StepLoader:
+                      model_max_seq_len: Optional[int] = None, model_vocab_size: Optional[int] = None,
+                      dp_rank: int = 0, dp_world_size: int = 1, key: str = "dataset",
+                      training: bool = True) -> StepLoader:
     """The :class:`~torchtune_ext.data.step_loader.StepLoader` of a preference recipe's ``key`` dataset.
 
     ``batch_size`` counts pairs per micro-batch per rank (``2 x batch_size`` rows);
     ``group_by_length`` and ``max_tokens_per_micro_batch`` see a pair's two
     sequences together. Training reads ``batch_size``, ``gradient_accumulation_steps``, ``shuffle`` and
     ``max_steps_per_epoch``; validation (``training=False``) ``batch_size_val`` and ``max_val_samples``,
-    in dataset order.
+    in dataset order. ``model_vocab_size``: the rows of the model's token embedding (None: unknown), a larger
+    token id is refused as :func:`build_pair_dataset` says.
     """
     dataset: Dataset = build_pair_dataset(cfg[key], tokenizer, key, ignore_index=ignore_index,
-                                          model_max_seq_len=model_max_seq_len)
+                                          model_max_seq_len=model_max_seq_len,
+                                          vocabulary=model_vocabulary(cfg, model_vocab_size))
     common = dict(ignore_index=ignore_index, dp_rank=dp_rank, dp_world_size=dp_world_size,
                   group_by_length=cfg.group_by_length, max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch)
 

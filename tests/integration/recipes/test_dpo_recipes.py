@@ -108,3 +108,34 @@ def test_a_dataset_without_pairs_stops_before_the_model_loads(tiny_pairs, smollm
     recipe.cleanup()
     assert err.value.key == "dataset"
     assert not hasattr(recipe, "model")
+
+
+@pytest.mark.parametrize("kind", sorted(RUNS))
+def test_token_ids_past_the_embedding_exit_2_in_one_line_before_anything(tiny_pairs, smollm2_assets, tmp_path,
+                                                                           capsys, kind):
+    """A model of 300 embedding rows under SmolLM2's tokenizer (ids up to 49,151): the pairs' check names the
+    tokenizer, the model and both sizes in one line, exit 2, before the model is built; output_dir stays empty."""
+    from torchtune_ext.run.control.exits import exit_on_user_error
+    from torchtune_ext.run.loop import run_recipe as run_checked
+
+    path, name, _, _, keys = RUNS[kind]
+    out = tmp_path / "out"
+    cfg = config(kind, smollm2_assets, tiny_pairs, out, "model.vocab_size=300")
+    built = []
+    recipe = recipe_class(path, name)
+
+    class Watched(recipe):
+        def setup(self):
+            built.append(self)
+            super().setup()
+
+    with pytest.raises(SystemExit) as done:
+        exit_on_user_error(run_checked)(Watched, cfg, keys)
+    assert done.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1
+    assert lines[0].startswith("error: config key 'tokenizer': the tokenizer torchtune_ext.data.tokenizer")
+    assert f"('{cfg.tokenizer.path}') gives token id" in lines[0]
+    assert "the model 'torchtune_ext.model.builders." in lines[0] and "has 300 token embeddings (ids 0-299)" in lines[0]
+    assert not hasattr(built[0], "model")  # stopped in the data pass, before any model
+    assert not out.exists() or not any(out.iterdir())  # no logs/, no metrics.jsonl, no lock

@@ -7,6 +7,7 @@ from omegaconf import OmegaConf
 
 from tests.support.helpers import IGNORE
 from tests.support.tiny_setup import write_tokenizer
+from torchtune_ext.data.check import ModelVocabulary
 from torchtune_ext.data.preference import PairDataset, build_pair_dataset, check_pairs, collate_pairs, pair_sample
 from torchtune_ext.data.step_loader import StepLoader
 from torchtune_ext.data.tokenizer import smollm2_tokenizer
@@ -59,6 +60,34 @@ def test_check_pairs_refuses_what_cannot_train():
         check_pairs([pair(0, 2, 2), pair(1, 2, 0)], "dataset", ignore_index=IGNORE)
     with pytest.raises(ConfigError, match="pair 0: the chosen sequence has 9 tokens, more than the model's 8"):
         check_pairs([pair(0, 6, 2)], "dataset", ignore_index=IGNORE, model_max_seq_len=8)
+
+
+def test_token_ids_are_checked_against_the_embedding_on_both_responses(tmp_path):
+    """The SFT data's check (check_token_ids) on pairs: the largest id of either response against the rows.
+    A rejected response's id is found as well as a chosen one's; an id equal to the rows is refused, one below
+    is not (ids 0..rows-1)."""
+    write_tokenizer(tmp_path)
+    tokenizer = smollm2_tokenizer(str(tmp_path / "tokenizer.json"), max_seq_len=64)
+    records = [{side: [{"role": "user", "content": "q"}, {"role": "assistant", "content": f"{side} {i}"}]
+                for side in ("chosen", "rejected")} for i in range(2)]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    cfg = OmegaConf.create({"_component_": "torchtune.datasets.preference_dataset", "source": "json",
+                            "data_files": str(path), "split": "train"})
+    pairs = build_pair_dataset(cfg, tokenizer).dataset
+    report = check_pairs(pairs, "dataset", ignore_index=IGNORE)
+    top = report.max_token_id
+    assert top == max(max(p["chosen_input_ids"] + p["rejected_input_ids"]) for p in pairs)
+    build_pair_dataset(cfg, tokenizer, vocabulary=ModelVocabulary(top + 1, "m", "t"))  # fits: no error
+    with pytest.raises(ConfigError) as err:
+        build_pair_dataset(cfg, tokenizer, vocabulary=ModelVocabulary(top, "tiny_llama", "the tokenizer 'tok'"))
+    assert err.value.key == "tokenizer" and "\n" not in str(err.value)
+    assert (f"gives token id {top} (dataset '{path}', sample {report.max_token_at}), but the model 'tiny_llama' has "
+            f"{top} token embeddings") in str(err.value)
+
+    rejected_only = [pair(0, 2, 2), dict(pair(1, 2, 2), rejected_input_ids=[0, 1, 2, 2, 999])]
+    assert check_pairs(rejected_only, "dataset", ignore_index=IGNORE).max_token_id == 999
+    assert check_pairs(rejected_only, "dataset", ignore_index=IGNORE).max_token_at == 1
 
 
 def test_torchtunes_preference_dataset_from_a_local_file(tmp_path):
