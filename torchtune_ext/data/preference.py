@@ -16,16 +16,25 @@ Packing is refused for pairs (``pack_micro_batches``, ``dataset.packed``):
 the two responses of a pair must stay two rows, each attending only to its
 own prompt (:mod:`torchtune_ext.config.preference`).
 
+Records: :func:`preference_dataset` (also what torchtune's
+``preference_dataset`` component builds here) reads torchtune's records
+(``chosen`` and ``rejected`` message lists, the prompt repeated in both) and
+TRL's preference format: ``prompt``, ``chosen`` and ``rejected`` as plain
+strings, or as message lists (TRL's conversational format, the prompt apart).
+
 Truncation: torchtune's ``PreferenceDataset`` cuts the chosen and the
 rejected sequence each at ``tokenizer.max_seq_len``; a pair one of whose
 responses has no trainable token left (cut away, or empty) is refused here
 with its index, before the model loads.
 """
 
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 import torch
+from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import ConcatDataset, Dataset
+from torchtune.data import Message
+from torchtune.datasets import PreferenceDataset
 
 from torchtune_ext.data.check import (
     DataReport,
@@ -40,6 +49,108 @@ from torchtune_ext.data.step_loader import StepLoader
 from torchtune_ext.errors import ConfigError
 
 PAIR_KEYS = ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels")
+RECORD_COLUMNS = ("prompt", "chosen", "rejected")  # what column_map may rename; prompt is optional
+# torchtune's builder, read here by preference_dataset (the same records, and TRL's)
+TORCHTUNE_PREFERENCE_DATASETS = ("torchtune.datasets.preference_dataset",
+                                 "torchtune.datasets._preference.preference_dataset")
+
+
+class PreferenceRecordToMessages:
+    """One preference record as torchtune's ``{"chosen": [Message], "rejected": [Message]}``.
+
+    A record is, by its columns (renamed with ``column_map``):
+
+    * torchtune's: ``chosen`` and ``rejected`` message lists (``{"role", "content"}``), each holding the
+      prompt too; no ``prompt`` column. (TRL calls it conversational with an implicit prompt.)
+    * TRL's standard format: ``prompt``, ``chosen`` and ``rejected`` strings; the prompt becomes a user
+      message, each response an assistant message.
+    * TRL's conversational format: ``prompt``, ``chosen`` and ``rejected`` message lists; the prompt's
+      messages come before each response's.
+
+    Any mix of strings and lists under a ``prompt`` reads alike. Non-assistant messages are masked unless
+    ``train_on_input``; ``new_system_prompt`` replaces every system message (torchtune's rules).
+
+    Raises:
+        ValueError: at construction, a ``column_map`` key other than prompt, chosen and rejected; per
+            record, a string response without a ``prompt`` (TRL's implicit-prompt strings: where the
+            prompt ends is not known), or a value that is neither a string nor a message list.
+        KeyError: a missing column (its name: the data check turns it into the ``column_map`` hint).
+    """
+
+    def __init__(self, train_on_input: bool = False, column_map: Optional[Mapping[str, str]] = None,
+                 new_system_prompt: Optional[str] = None):
+        column_map = dict(column_map or {})
+        unknown = sorted(set(column_map) - set(RECORD_COLUMNS))
+        if unknown:
+            raise ValueError(f"column_map keys must be among {', '.join(RECORD_COLUMNS)}, got {', '.join(unknown)}")
+        self.columns = {name: column_map.get(name, name) for name in RECORD_COLUMNS}
+        self.train_on_input = train_on_input
+        self.new_system_prompt = new_system_prompt
+
+    def _messages(self, value: Any, role: str, column: str) -> List[Message]:
+        if isinstance(value, str):
+            return [Message(role=role, content=value, masked=role != "assistant" and not self.train_on_input)]
+        if not isinstance(value, (list, tuple)) or not all(isinstance(m, Mapping) for m in value):
+            raise ValueError(f"column '{column}' holds {type(value).__name__}: expected a string or a list of "
+                             "messages ({'role', 'content'})")
+        out = []
+        for message in value:
+            if message["role"] == "system" and self.new_system_prompt is not None:
+                continue
+            masked = message["role"] != "assistant" and not self.train_on_input
+            out.append(Message.from_dict({**message, "masked": masked}))
+        return out
+
+    def __call__(self, sample: Mapping[str, Any]) -> Dict[str, List[Message]]:
+        prompt_column = self.columns["prompt"]
+        prompt: List[Message] = []
+        if prompt_column in sample and sample[prompt_column] is not None:
+            prompt = self._messages(sample[prompt_column], "user", prompt_column)
+        elif prompt_column != "prompt":  # named in column_map: it must be there
+            raise KeyError(prompt_column)
+        out = {}
+        for side in ("chosen", "rejected"):
+            column = self.columns[side]
+            value = sample[column]
+            if isinstance(value, str) and not prompt:
+                raise ValueError(f"column '{column}' is a string and the record has no '{prompt_column}': "
+                                 "TRL's implicit-prompt strings do not say where the prompt ends; give the "
+                                 "prompt its own column (or map it with column_map.prompt)")
+            messages = prompt + self._messages(value, "assistant", column)
+            if self.new_system_prompt is not None:
+                messages = [Message(role="system", content=self.new_system_prompt, masked=True, eot=True)] + messages
+            out[side] = messages
+        return out
+
+
+def preference_dataset(tokenizer: Any, *, source: str, column_map: Optional[Dict[str, str]] = None,
+                       train_on_input: bool = False, new_system_prompt: Optional[str] = None,
+                       filter_fn: Optional[Callable] = None, split: str = "train",
+                       **load_dataset_kwargs: Any) -> PreferenceDataset:
+    """torchtune's ``preference_dataset``, arguments alike, reading the records of
+    :class:`PreferenceRecordToMessages` (torchtune's message lists, TRL's strings and conversations).
+
+    ``source`` and ``load_dataset_kwargs`` go to ``datasets.load_dataset`` (``source: json`` or
+    ``parquet`` with ``data_files`` for local files). Each item: ``chosen_input_ids``, ``chosen_labels``,
+    ``rejected_input_ids``, ``rejected_labels`` (lists of token ids; a masked label is
+    ``CROSS_ENTROPY_IGNORE_INDEX``), each sequence cut at ``tokenizer.max_seq_len``.
+
+    Raises:
+        ValueError: as :class:`PreferenceRecordToMessages`.
+    """
+    transform = PreferenceRecordToMessages(train_on_input, column_map, new_system_prompt)
+    return PreferenceDataset(source=source, message_transform=transform, tokenizer=tokenizer, filter_fn=filter_fn,
+                             split=split, **load_dataset_kwargs)
+
+
+def _read_by_us(cfg: Any) -> Any:
+    """torchtune's ``preference_dataset`` config built by :func:`preference_dataset` (same arguments, a
+    superset of its records); any other config unchanged."""
+    if not isinstance(cfg, DictConfig) or cfg.get("_component_") not in TORCHTUNE_PREFERENCE_DATASETS:
+        return cfg
+    ours = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    ours._component_ = f"{__name__}.preference_dataset"
+    return ours
 
 
 def pair_sample(pair: Dict[str, Any]) -> Dict[str, Any]:
@@ -137,7 +248,7 @@ def build_pair_dataset(cfg_dataset: Any, tokenizer: Any, key: str = "dataset", *
     """
     datasets, reports = [], []
     for item, cfg in dataset_items(dataset_configs(cfg_dataset), key):
-        datasets.append(instantiate_dataset(cfg, tokenizer, item))
+        datasets.append(instantiate_dataset(_read_by_us(cfg), tokenizer, item))
         reports.append(check_pairs(datasets[-1], item, ignore_index=ignore_index,
                                    model_max_seq_len=model_max_seq_len, cfg_dataset=cfg))
     check_token_ids(reports, vocabulary)
