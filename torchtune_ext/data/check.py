@@ -93,7 +93,8 @@ class DataReport:
         return out
 
 
-def _source(cfg_dataset: Any) -> str:
+def dataset_source(cfg_dataset: Any) -> str:
+    """The data file(s) or hub source a dataset config reads, for messages (``?`` when it names none)."""
     files = cfg_dataset.get("data_files")
     if files is None:
         return str(cfg_dataset.get("source", "?"))
@@ -150,7 +151,7 @@ def first_invalid_json(path: str) -> Optional[str]:
 def explain_unreadable(err: BaseException, key: str, cfg_dataset: Any, index: Optional[int] = None,
                        columns: Optional[Sequence[str]] = None) -> ConfigError:
     """A :class:`ConfigError` for a record (or a whole file) the dataset could not read."""
-    source = _source(cfg_dataset)
+    source = dataset_source(cfg_dataset)
     where = f"record {index} of '{source}'" if index is not None else f"'{source}'"
     chain, e = [], err
     while e is not None and len(chain) < 5:
@@ -229,7 +230,7 @@ def check_dataset(dataset: Any, cfg_dataset: Any, key: str, *, ignore_index: int
             a sample is longer than ``model_max_seq_len`` (the model would
             refuse it at its first forward).
     """
-    report = DataReport(key, _source(cfg_dataset))
+    report = DataReport(key, dataset_source(cfg_dataset))
     hf = _hf_data(dataset)
     columns = hf.column_names if hf is not None else None
     no_tokens = report.finding("no_tokens", "with no trainable token (all labels masked, e.g. an empty answer)")

@@ -16,23 +16,141 @@ Packing is refused for pairs (``pack_micro_batches``, ``dataset.packed``):
 the two responses of a pair must stay two rows, each attending only to its
 own prompt (:mod:`torchtune_ext.config.preference`).
 
+Records: :func:`preference_dataset` (also what torchtune's
+``preference_dataset`` component builds here) reads torchtune's records
+(``chosen`` and ``rejected`` message lists, the prompt repeated in both) and
+TRL's preference format: ``prompt``, ``chosen`` and ``rejected`` as plain
+strings, or as message lists (TRL's conversational format, the prompt apart).
+
 Truncation: torchtune's ``PreferenceDataset`` cuts the chosen and the
 rejected sequence each at ``tokenizer.max_seq_len``; a pair one of whose
 responses has no trainable token left (cut away, or empty) is refused here
 with its index, before the model loads.
 """
 
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 import torch
+from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import ConcatDataset, Dataset
+from torchtune.data import Message
+from torchtune.datasets import PreferenceDataset
 
-from torchtune_ext.data.check import explain_unreadable
+from torchtune_ext.data.check import (
+    DataReport,
+    ModelVocabulary,
+    check_token_ids,
+    dataset_source,
+    explain_unreadable,
+    model_vocabulary,
+)
 from torchtune_ext.data.datasets import dataset_configs, dataset_items, instantiate_dataset
 from torchtune_ext.data.step_loader import StepLoader
 from torchtune_ext.errors import ConfigError
 
 PAIR_KEYS = ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels")
+RECORD_COLUMNS = ("prompt", "chosen", "rejected")  # what column_map may rename; prompt is optional
+# torchtune's builder, read here by preference_dataset (the same records, and TRL's)
+TORCHTUNE_PREFERENCE_DATASETS = ("torchtune.datasets.preference_dataset",
+                                 "torchtune.datasets._preference.preference_dataset")
+
+
+class PreferenceRecordToMessages:
+    """One preference record as torchtune's ``{"chosen": [Message], "rejected": [Message]}``.
+
+    A record is, by its columns (renamed with ``column_map``):
+
+    * torchtune's: ``chosen`` and ``rejected`` message lists (``{"role", "content"}``), each holding the
+      prompt too; no ``prompt`` column. (TRL calls it conversational with an implicit prompt.)
+    * TRL's standard format: ``prompt``, ``chosen`` and ``rejected`` strings; the prompt becomes a user
+      message, each response an assistant message.
+    * TRL's conversational format: ``prompt``, ``chosen`` and ``rejected`` message lists; the prompt's
+      messages come before each response's.
+
+    Any mix of strings and lists under a ``prompt`` reads alike. Non-assistant messages are masked unless
+    ``train_on_input``; ``new_system_prompt`` replaces every system message (torchtune's rules).
+
+    Raises:
+        ValueError: at construction, a ``column_map`` key other than prompt, chosen and rejected; per
+            record, a string response without a ``prompt`` (TRL's implicit-prompt strings: where the
+            prompt ends is not known), or a value that is neither a string nor a message list.
+        KeyError: a missing column (its name: the data check turns it into the ``column_map`` hint).
+    """
+
+    def __init__(self, train_on_input: bool = False, column_map: Optional[Mapping[str, str]] = None,
+                 new_system_prompt: Optional[str] = None):
+        column_map = dict(column_map or {})
+        unknown = sorted(set(column_map) - set(RECORD_COLUMNS))
+        if unknown:
+            raise ValueError(f"column_map keys must be among {', '.join(RECORD_COLUMNS)}, got {', '.join(unknown)}")
+        self.columns = {name: column_map.get(name, name) for name in RECORD_COLUMNS}
+        self.train_on_input = train_on_input
+        self.new_system_prompt = new_system_prompt
+
+    def _messages(self, value: Any, role: str, column: str) -> List[Message]:
+        if isinstance(value, str):
+            return [Message(role=role, content=value, masked=role != "assistant" and not self.train_on_input)]
+        if not isinstance(value, (list, tuple)) or not all(isinstance(m, Mapping) for m in value):
+            raise ValueError(f"column '{column}' holds {type(value).__name__}: expected a string or a list of "
+                             "messages ({'role', 'content'})")
+        out = []
+        for message in value:
+            if message["role"] == "system" and self.new_system_prompt is not None:
+                continue
+            masked = message["role"] != "assistant" and not self.train_on_input
+            out.append(Message.from_dict({**message, "masked": masked}))
+        return out
+
+    def __call__(self, sample: Mapping[str, Any]) -> Dict[str, List[Message]]:
+        prompt_column = self.columns["prompt"]
+        prompt: List[Message] = []
+        if prompt_column in sample and sample[prompt_column] is not None:
+            prompt = self._messages(sample[prompt_column], "user", prompt_column)
+        elif prompt_column != "prompt":  # named in column_map: it must be there
+            raise KeyError(prompt_column)
+        out = {}
+        for side in ("chosen", "rejected"):
+            column = self.columns[side]
+            value = sample[column]
+            if isinstance(value, str) and not prompt:
+                raise ValueError(f"column '{column}' is a string and the record has no '{prompt_column}': "
+                                 "TRL's implicit-prompt strings do not say where the prompt ends; give the "
+                                 "prompt its own column (or map it with column_map.prompt)")
+            messages = prompt + self._messages(value, "assistant", column)
+            if self.new_system_prompt is not None:
+                messages = [Message(role="system", content=self.new_system_prompt, masked=True, eot=True)] + messages
+            out[side] = messages
+        return out
+
+
+def preference_dataset(tokenizer: Any, *, source: str, column_map: Optional[Dict[str, str]] = None,
+                       train_on_input: bool = False, new_system_prompt: Optional[str] = None,
+                       filter_fn: Optional[Callable] = None, split: str = "train",
+                       **load_dataset_kwargs: Any) -> PreferenceDataset:
+    """torchtune's ``preference_dataset``, arguments alike, reading the records of
+    :class:`PreferenceRecordToMessages` (torchtune's message lists, TRL's strings and conversations).
+
+    ``source`` and ``load_dataset_kwargs`` go to ``datasets.load_dataset`` (``source: json`` or
+    ``parquet`` with ``data_files`` for local files). Each item: ``chosen_input_ids``, ``chosen_labels``,
+    ``rejected_input_ids``, ``rejected_labels`` (lists of token ids; a masked label is
+    ``CROSS_ENTROPY_IGNORE_INDEX``), each sequence cut at ``tokenizer.max_seq_len``.
+
+    Raises:
+        ValueError: as :class:`PreferenceRecordToMessages`.
+    """
+    transform = PreferenceRecordToMessages(train_on_input, column_map, new_system_prompt)
+    return PreferenceDataset(source=source, message_transform=transform, tokenizer=tokenizer, filter_fn=filter_fn,
+                             split=split, **load_dataset_kwargs)
+
+
+def _read_by_us(cfg: Any) -> Any:
+    """torchtune's ``preference_dataset`` config built by :func:`preference_dataset` (same arguments, a
+    superset of its records); any other config unchanged."""
+    if not isinstance(cfg, DictConfig) or cfg.get("_component_") not in TORCHTUNE_PREFERENCE_DATASETS:
+        return cfg
+    ours = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    ours._component_ = f"{__name__}.preference_dataset"
+    return ours
 
 
 def pair_sample(pair: Dict[str, Any]) -> Dict[str, Any]:
@@ -79,8 +197,12 @@ def _trainable_after_shift(labels: Sequence[int], ignore_index: int) -> int:
 
 
 def check_pairs(dataset: Dataset, key: str, *, ignore_index: int, model_max_seq_len: Optional[int] = None,
-                cfg_dataset: Any = None) -> None:
+                cfg_dataset: Any = None) -> DataReport:
     """Read every pair once: both responses present, each with a trainable token, none longer than the model.
+
+    Returns:
+        DataReport: the pairs' largest token id and the pair holding it, for
+        :func:`torchtune_ext.data.check.check_token_ids` (the check the SFT data makes).
 
     Raises:
         ConfigError: (key ``key``) a record the dataset cannot read (a missing ``chosen`` or ``rejected``
@@ -88,6 +210,7 @@ def check_pairs(dataset: Dataset, key: str, *, ignore_index: int, model_max_seq_
             a response with no trainable token (empty, or cut away at ``tokenizer.max_seq_len``), a
             sequence longer than ``model_max_seq_len``; each naming the first sample's index.
     """
+    report = DataReport(key, dataset_source(cfg_dataset or {}))
     for index in range(len(dataset)):
         try:
             pair = dataset[index]
@@ -98,6 +221,7 @@ def check_pairs(dataset: Dataset, key: str, *, ignore_index: int, model_max_seq_
             raise ConfigError(key, f"sample {index} has no {', '.join(missing)}: not a preference dataset; use "
                               "torchtune.datasets.preference_dataset (chosen/rejected message lists)")
         for side in ("chosen", "rejected"):
+            report.see_tokens(pair[f"{side}_input_ids"], index)
             if _trainable_after_shift(pair[f"{side}_labels"], ignore_index) == 0:
                 raise ConfigError(key, f"pair {index}: the {side} response has no trainable token (empty, or "
                                   "cut away at tokenizer.max_seq_len); remove the pair or raise max_seq_len")
@@ -105,20 +229,29 @@ def check_pairs(dataset: Dataset, key: str, *, ignore_index: int, model_max_seq_
             if model_max_seq_len is not None and length > model_max_seq_len:
                 raise ConfigError(key, f"pair {index}: the {side} sequence has {length} tokens, more than the "
                                   f"model's {model_max_seq_len}; set tokenizer.max_seq_len <= {model_max_seq_len}")
+    return report
+
 
 
 def build_pair_dataset(cfg_dataset: Any, tokenizer: Any, key: str = "dataset", *, ignore_index: int = -100,
-                       model_max_seq_len: Optional[int] = None) -> PairDataset:
+                       model_max_seq_len: Optional[int] = None,
+                       vocabulary: Optional[ModelVocabulary] = None) -> PairDataset:
     """Instantiate a preference dataset config (or a list, concatenated), check every pair, wrap it.
 
+    ``vocabulary``: the model's token embedding; a token id of either response at or past its rows is
+    refused (:func:`torchtune_ext.data.check.check_token_ids`, the SFT data's check; None: not checked).
+
     Raises:
-        ConfigError: (key ``key``) a dataset that cannot be loaded, or as :func:`check_pairs`.
+        ConfigError: (key ``key``) a dataset that cannot be loaded, or as :func:`check_pairs`; (key
+            ``tokenizer``) a token id the model has no embedding for, naming the tokenizer, the model and
+            both sizes.
     """
-    datasets = []
+    datasets, reports = [], []
     for item, cfg in dataset_items(dataset_configs(cfg_dataset), key):
-        datasets.append(instantiate_dataset(cfg, tokenizer, item))
-        check_pairs(datasets[-1], item, ignore_index=ignore_index, model_max_seq_len=model_max_seq_len,
-                    cfg_dataset=cfg)
+        datasets.append(instantiate_dataset(_read_by_us(cfg), tokenizer, item))
+        reports.append(check_pairs(datasets[-1], item, ignore_index=ignore_index,
+                                   model_max_seq_len=model_max_seq_len, cfg_dataset=cfg))
+    check_token_ids(reports, vocabulary)
     dataset = datasets[0] if len(datasets) == 1 else ConcatDataset(datasets)
     if len(dataset) == 0:
         raise ConfigError(key, "the dataset yields zero pairs")
@@ -126,18 +259,21 @@ def build_pair_dataset(cfg_dataset: Any, tokenizer: Any, key: str = "dataset", *
 
 
 def build_pair_loader(cfg: Any, tokenizer: Any, *, seed: int, ignore_index: int,
-                      model_max_seq_len: Optional[int] = None, dp_rank: int = 0, dp_world_size: int = 1,
-                      key: str = "dataset", training: bool = True) -> StepLoader:
+                      model_max_seq_len: Optional[int] = None, model_vocab_size: Optional[int] = None,
+                      dp_rank: int = 0, dp_world_size: int = 1, key: str = "dataset",
+                      training: bool = True) -> StepLoader:
     """The :class:`~torchtune_ext.data.step_loader.StepLoader` of a preference recipe's ``key`` dataset.
 
     ``batch_size`` counts pairs per micro-batch per rank (``2 x batch_size`` rows);
     ``group_by_length`` and ``max_tokens_per_micro_batch`` see a pair's two
     sequences together. Training reads ``batch_size``, ``gradient_accumulation_steps``, ``shuffle`` and
     ``max_steps_per_epoch``; validation (``training=False``) ``batch_size_val`` and ``max_val_samples``,
-    in dataset order.
+    in dataset order. ``model_vocab_size``: the rows of the model's token embedding (None: unknown), a larger
+    token id is refused as :func:`build_pair_dataset` says.
     """
     dataset: Dataset = build_pair_dataset(cfg[key], tokenizer, key, ignore_index=ignore_index,
-                                          model_max_seq_len=model_max_seq_len)
+                                          model_max_seq_len=model_max_seq_len,
+                                          vocabulary=model_vocabulary(cfg, model_vocab_size))
     common = dict(ignore_index=ignore_index, dp_rank=dp_rank, dp_world_size=dp_world_size,
                   group_by_length=cfg.group_by_length, max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch)
 

@@ -20,7 +20,7 @@ from torchtune_ext.config import validation_enabled
 from torchtune_ext.config.preference import preference_loss_arguments
 from torchtune_ext.data.preference import build_pair_loader
 from torchtune_ext.run.loop import TrainingRun
-from torchtune_ext.run.preflight import model_max_seq_len
+from torchtune_ext.run.preflight import model_max_seq_len, model_vocab_size
 from torchtune_ext.train.loss import SummedCrossEntropyLoss
 from torchtune_ext.train.preference import ModelReference, PreferenceLoss, PreferenceObjective
 
@@ -40,6 +40,7 @@ class PreferenceRun(TrainingRun):
             self.loss_fn.compile_chunk()
         self.objective = PreferenceObjective(self.loss_fn, PreferenceLoss(**preference_loss_arguments(cfg.loss)))
         common = dict(ignore_index=self.loss_fn.ignore_index, model_max_seq_len=model_max_seq_len(cfg.model),
+                      model_vocab_size=model_vocab_size(cfg.model),  # a token id past the embedding: refused
                       dp_rank=self.dp_rank, dp_world_size=self.world_size)
         self.data = build_pair_loader(cfg, self.tokenizer, seed=self.progress.data_seed, **common)
         self.val_data = (build_pair_loader(cfg, self.tokenizer, seed=0, key="dataset_val", training=False, **common)

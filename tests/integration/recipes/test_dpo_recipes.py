@@ -13,11 +13,14 @@ import math
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from tests.support.dpo_tiny import RUNS as DPO_RUNS
 from tests.support.dpo_tiny import tiny_dpo_config, write_tiny_pairs
-from tests.support.helpers import read_jsonl, recipe_class, run_recipe
+from tests.support.helpers import read_jsonl, recipe_class, rel_diff, run_recipe
+from torchtune_ext.checkpoint import list_checkpoints
 from torchtune_ext.config import ConfigError
+from torchtune_ext.errors import EXIT_STOPPED
 
 RUNS = {kind: run for kind, run in DPO_RUNS.items() if not kind.endswith("_dist")}
 
@@ -33,12 +36,18 @@ def config(kind, assets, root, output_dir, *overrides):
 
 @pytest.fixture(scope="module")
 def runs(tiny_pairs, smollm2_assets, tmp_path_factory):
-    """Each recipe once: (recipe object, its metrics.jsonl records)."""
+    """Each recipe once: (recipe object, its metrics.jsonl records, output_dir). On one thread, as
+    tests/support/resume_jobs.py runs the stopped and resumed runs compared with these."""
     out = {}
-    for kind, (path, name, *_) in RUNS.items():
-        output_dir = tmp_path_factory.mktemp(kind)
-        recipe = run_recipe(recipe_class(path, name), config(kind, smollm2_assets, tiny_pairs, output_dir))
-        out[kind] = recipe, read_jsonl(output_dir / "logs" / "metrics.jsonl"), output_dir
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for kind, (path, name, *_) in RUNS.items():
+            output_dir = tmp_path_factory.mktemp(kind)
+            recipe = run_recipe(recipe_class(path, name), config(kind, smollm2_assets, tiny_pairs, output_dir))
+            out[kind] = recipe, read_jsonl(output_dir / "logs" / "metrics.jsonl"), output_dir
+    finally:
+        torch.set_num_threads(threads)
     return out
 
 
@@ -108,3 +117,84 @@ def test_a_dataset_without_pairs_stops_before_the_model_loads(tiny_pairs, smollm
     recipe.cleanup()
     assert err.value.key == "dataset"
     assert not hasattr(recipe, "model")
+
+
+@pytest.mark.parametrize("kind", sorted(RUNS))
+def test_token_ids_past_the_embedding_exit_2_in_one_line_before_anything(tiny_pairs, smollm2_assets, tmp_path,
+                                                                           capsys, kind):
+    """A model of 300 embedding rows under SmolLM2's tokenizer (ids up to 49,151): the pairs' check names the
+    tokenizer, the model and both sizes in one line, exit 2, before the model is built; output_dir stays empty."""
+    from torchtune_ext.run.control.exits import exit_on_user_error
+    from torchtune_ext.run.loop import run_recipe as run_checked
+
+    path, name, _, _, keys = RUNS[kind]
+    out = tmp_path / "out"
+    cfg = config(kind, smollm2_assets, tiny_pairs, out, "model.vocab_size=300")
+    built = []
+    recipe = recipe_class(path, name)
+
+    class Watched(recipe):
+        def setup(self):
+            built.append(self)
+            super().setup()
+
+    with pytest.raises(SystemExit) as done:
+        exit_on_user_error(run_checked)(Watched, cfg, keys)
+    assert done.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1
+    assert lines[0].startswith("error: config key 'tokenizer': the tokenizer torchtune_ext.data.tokenizer")
+    assert f"('{cfg.tokenizer.path}') gives token id" in lines[0]
+    assert "the model 'torchtune_ext.model.builders." in lines[0] and "has 300 token embeddings (ids 0-299)" in lines[0]
+    assert not hasattr(built[0], "model")  # stopped in the data pass, before any model
+    assert not out.exists() or not any(out.iterdir())  # no logs/, no metrics.jsonl, no lock
+
+
+# Resume: the shared runs above (7 pairs: a step of 4, then the short last step of 3; validation before step 1
+# and after step 2) against a run stopped after step 1, mid-epoch, and resumed.
+RESUMED_FIELDS = ("loss", "grad_norm", "lr", "rewards/chosen", "rewards/rejected", "rewards/margins",
+                  "rewards/accuracies", "logps/chosen", "logps/rejected", "val_loss", "val_rewards/margins",
+                  "val_logps/chosen")
+
+
+def _records(output_dir):
+    """(step, kind) -> the last record: a resumed run logs its steps after the checkpoint again."""
+    return {(r["step"], "val" if "val_loss" in r else "train"): r
+            for r in read_jsonl(output_dir / "logs" / "metrics.jsonl")}
+
+
+def _final_weights(output_dir):
+    step = list_checkpoints(str(output_dir))[-1]
+    return {str(f.relative_to(step)): (load_file(f) if f.suffix == ".safetensors" else torch.load(f, weights_only=True))
+            for f in sorted(step.rglob("*")) if f.suffix in (".safetensors", ".pt") and f.name != "recipe_state.pt"}
+
+
+@pytest.mark.parametrize("kind", sorted(RUNS))
+def test_a_stopped_and_resumed_run_equals_the_uninterrupted_one(runs, tiny_pairs, smollm2_assets, tmp_path, kind):
+    """Stopped by SIGTERM after step 1 (the recipe saves and exits 75), resumed mid-epoch to the end: the loss,
+    grad norm, lr, rewards and log-probabilities of both steps, the validations and the final weights equal the
+    uninterrupted run's (fp32, <= 1e-5 relative). The full recipe's reference must come from the base
+    checkpoint again, not from the resumed policy (step 2's loss would differ); LoRA's is the base with the
+    resumed adapters off."""
+    from tests.support import resume_jobs
+
+    straight, resumed, recipe = runs[kind][2], tmp_path / "resumed", f"dpo_{kind}"
+    assert resume_jobs.run(recipe, config(kind, smollm2_assets, tiny_pairs, resumed), stop_after=1) == EXIT_STOPPED
+    assert [r["step"] for r in read_jsonl(resumed / "logs" / "metrics.jsonl") if "num_pairs" in r] == [1]
+    assert resume_jobs.run(recipe, config(kind, smollm2_assets, tiny_pairs, resumed,
+                                          "resume_from_checkpoint=true")) == 0
+    want, got = _records(straight), _records(resumed)
+    assert sorted(got) == sorted(want) == [(0, "val"), (1, "train"), (2, "train"), (2, "val")]
+    for at, record in want.items():
+        for key in ("num_pairs", "num_tokens", "val_num_pairs"):
+            assert got[at].get(key) == record.get(key), (at, key)
+        for key in RESUMED_FIELDS:
+            if key in record:
+                assert abs(got[at][key] - record[key]) <= 1e-5 * abs(record[key]), (at, key, got[at][key], record[key])
+    assert got[(2, "train")]["loss"] != pytest.approx(math.log(2), abs=1e-4)  # the resumed step trained a moved policy
+    final, again = _final_weights(straight), _final_weights(resumed)
+    assert final and sorted(final) == sorted(again)
+    for name in final:
+        assert sorted(final[name]) == sorted(again[name]), name
+        for key, tensor in final[name].items():
+            assert rel_diff(again[name][key].float(), tensor.float()) <= 1e-5, (name, key)
