@@ -196,3 +196,24 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def test_a_transformers_student_decodes_with_its_own_cache(tmp_path):
+    """A transformers model (torchtune_ext.model.hf.causal_lm) whose head the loss took: greedy decoding through
+    its cache equals the argmax of full forwards."""
+    from tests.support.hf_tiny import write_tiny
+    from torchtune_ext.model.hf import causal_lm
+
+    torch.manual_seed(0)
+    model = causal_lm(write_tiny("qwen3", tmp_path / "qwen3"), dtype=torch.float32)
+    loss_fn = SummedCrossEntropyLoss(ignore_index=IGNORE)
+    loss_fn.take_output_projection(model)  # the model now returns hidden states to torchtune's call
+    prompt = torch.tensor(samples()[1]["tokens"][:9])
+    out = generate(model, loss_fn.project, prompt, settings(1.0, top_k=1, max_new_tokens=6),
+                   sample_generator(0, 1, [1], "generate"))
+    assert len(out) == 6
+    sequence = prompt.tolist()
+    with torch.no_grad():
+        for token in out:
+            assert token == int(loss_fn.project(model(torch.tensor([sequence]))[0, -1:])[0].argmax())
+            sequence.append(token)
