@@ -10,13 +10,16 @@ and validation optimize and measure
 no part of the student: the optimizer and the checkpoints never see it.
 """
 
+from pathlib import Path
 from typing import Any, Dict, Optional
 
 from omegaconf import DictConfig
 
 from torchtune_ext import config as recipe_config
+from torchtune_ext.checkpoint import is_sharded
 from torchtune_ext.config.distillation import check_on_policy, check_same_teacher, check_teacher
 from torchtune_ext.data.tokenizer import build_tokenizer
+from torchtune_ext.errors import ConfigError
 from torchtune_ext.model.teacher import build_teacher, check_vocabulary
 from torchtune_ext.train.distill import DistillationObjective, build_kd_loss
 from torchtune_ext.train.on_policy import OnPolicySettings
@@ -29,10 +32,35 @@ def student_is_lora(cfg_model: Any) -> bool:
     return name.startswith(("lora_", "qlora_"))
 
 
+def check_teacher_not_sharded(cfg: DictConfig) -> None:
+    """Refuse a sharded (DCP) checkpoint as the teacher, before anything loads: a ``step_<N>`` folder of a run
+    with ``sharded_checkpoints: true`` (``dcp/.metadata``), or its ``dcp`` folder. Neither recipe reads one as a
+    teacher (the teacher's checkpointer reads whole files); its Hugging Face export is a teacher.
+
+    Raises:
+        ConfigError: (key ``teacher_model_dir`` or ``teacher_checkpointer.checkpoint_dir``) naming the export.
+    """
+    folder = cfg.get("teacher_model_dir")
+    key = "teacher_model_dir"
+    if folder is None and cfg.get("teacher_checkpointer") is not None:
+        folder, key = cfg.teacher_checkpointer.get("checkpoint_dir"), "teacher_checkpointer.checkpoint_dir"
+    if folder is None:
+        return
+    path = Path(str(folder))
+    step = next((p for p in (path, path.parent) if is_sharded(p)), None)  # the step folder, or its dcp/
+    if step is None:
+        return
+    point = ("teacher_model_dir=OUT" if key == "teacher_model_dir" else
+             "teacher_checkpointer.checkpoint_dir=OUT (with checkpoint_files of its model-*.safetensors)")
+    raise ConfigError(key, f"'{folder}' is a sharded (DCP) checkpoint, which a teacher cannot load from; export "
+                      f"it first: python -m torchtune_ext.checkpoint.export {step} OUT, then {point}")
+
+
 def distillation_keys(cfg: DictConfig, distributed: bool = False) -> Dict[str, recipe_config.Key]:
     """The recipe's keys beyond the common ones, after the teacher's keys and on-policy's combinations are
     checked (:mod:`torchtune_ext.config.distillation`): distillation, LoRA for a LoRA student, FSDP2."""
     check_teacher(cfg)
+    check_teacher_not_sharded(cfg)
     check_on_policy(cfg, distributed)
     keys = dict(recipe_config.DISTILLATION_KEYS)
     if student_is_lora(cfg.get("model", {})):
