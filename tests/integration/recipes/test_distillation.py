@@ -1,4 +1,5 @@
-"""The distillation recipe, in process on tiny checkpoints: one LoRA run, one full run and one on-policy run.
+"""The distillation recipe, in process on tiny checkpoints: one LoRA run, one full run and one on-policy run;
+and through `tune run` as a user types it (2 on-policy steps, two refusals).
 
 The teacher is a random 3-layer ``tiny_llama``, the student a 2-layer one with
 the same (SmolLM2) vocabulary. What the recipe adds is checked here: the
@@ -15,7 +16,7 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from tests.support.helpers import read_jsonl, recipe_class, run_recipe, tiny_alpaca16_config
+from tests.support.helpers import read_jsonl, recipe_class, run_recipe, run_tune, tiny_alpaca16_config
 from torchtune_ext.config import ConfigError, validate
 from torchtune_ext.run.distillation import distillation_keys
 
@@ -165,3 +166,35 @@ def test_bad_distillation_input_is_one_line(smollm2_assets, tmp_path):
         recipe.cleanup()
     assert err.value.key == "teacher_model" and "\n" not in str(err.value)
     assert not (tmp_path / "other" / "logs").exists()  # refused before the run wrote anything
+
+
+def test_tune_run_distils_on_policy_and_refuses_bad_input_in_one_line(smollm2_assets, tmp_path):
+    """`tune run recipes/knowledge_distillation_single_device.py --config ...`, as a user types it: 2 on-policy
+    steps (the keys given on the command line) train and log their generation; on_policy_ratio 1.5, and a
+    sharded (DCP) teacher checkpoint, each end with one line naming the key, exit 2, before anything loads or
+    is written."""
+    cfg = kd_config(smollm2_assets, tmp_path, "tune_run", TINY, "max_steps_per_epoch=2")
+    cfg.pop("save_adapter_weights_only")  # a LoRA key (the config is the LoRA one): its warning is no error line
+    OmegaConf.save(cfg, tmp_path / "kd.yaml")
+    recipe = "recipes/knowledge_distillation_single_device.py"
+    proc = run_tune(recipe, "--config", str(tmp_path / "kd.yaml"), *ON_POLICY, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_jsonl(tmp_path / "tune_run" / "logs" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all("generated_tokens" in r and r["num_tokens"] > 0 for r in rows)
+    assert (tmp_path / "tune_run" / "step_2").is_dir()
+
+    step = tmp_path / "teacher_run" / "step_4"  # as a run with sharded_checkpoints writes it
+    (step / "dcp").mkdir(parents=True)
+    (step / "dcp" / ".metadata").write_bytes(b"\0")
+    for name, override, words in (
+            ("ratio", "on_policy_ratio=1.5", ["on_policy_ratio", "[0, 1]"]),
+            ("sharded", f"teacher_checkpointer.checkpoint_dir={step}",
+             ["teacher_checkpointer.checkpoint_dir", f"python -m torchtune_ext.checkpoint.export {step} OUT"])):
+        out = tmp_path / name
+        proc = run_tune(recipe, "--config", str(tmp_path / "kd.yaml"), f"output_dir={out}",
+                        f"checkpointer.output_dir={out}", override, timeout=300)
+        lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+        assert proc.returncode == 2 and len(lines) == 1, proc.stdout + proc.stderr
+        assert all(w in lines[0] for w in words), lines[0]
+        assert not out.exists()  # refused before the run wrote anything
