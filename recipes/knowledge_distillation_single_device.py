@@ -54,7 +54,9 @@ class KDRecipeSingleDevice(FinetuneRecipe):
             trainable = dict(model.named_parameters())
         training.validate_expected_param_dtype(trainable.items(), dtype=run.dtype)
         self.model = model
-        distil(run)  # the frozen teacher; each step now optimizes (1 - kd_ratio) * CE + kd_ratio * KD
+        # the frozen teacher; each step now optimizes (1 - kd_ratio) * CE + kd_ratio * KD (the student generates
+        # the on-policy samples)
+        distil(run, student=model)
         run.setup_training(model, trainable.values(), lora=self.lora)  # the student alone is optimized
 
     def save_checkpoint(self) -> Path:

@@ -11,7 +11,7 @@ whose weights are not downloaded, is one line naming the key and the fix
 import os
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, ListConfig
 
 from torchtune_ext.config.upstream import download_command
 from torchtune_ext.errors import DOWNLOAD_COMMAND, ConfigError
@@ -25,6 +25,39 @@ def unit_interval(key: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
         raise ConfigError(key, f"expected a number in [0, 1] (the weight of the distillation term; 0 is "
                           f"fine-tuning, 1 distillation alone), got {value!r}")
+
+
+def on_policy_share(key: str, value: Any) -> None:
+    """A number in [0, 1] (``on_policy_ratio``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ConfigError(key, f"expected a number in [0, 1] (the share of each step's samples the student "
+                          f"completes itself; 0 is offline distillation, 1 fully on-policy), got {value!r}")
+
+
+def sampling_temperature(key: str, value: Any) -> None:
+    """A number > 0 (``on_policy_temperature``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ConfigError(key, f"expected a number > 0 (1 samples the student's own distribution), got {value!r}")
+
+
+def check_on_policy(cfg: DictConfig, distributed: bool = False) -> None:
+    """On-policy distillation's combinations, on the config as given (the values' own checks are the schema's).
+
+    Raises:
+        ConfigError: (key ``on_policy_ratio``) > 0 with packed data (a pack's documents have no prompt of
+            their own to complete), or in the distributed recipe (not implemented there).
+    """
+    ratio = cfg.get("on_policy_ratio", 0)
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or ratio <= 0:
+        return  # 0 (offline), or a bad value the schema's check names
+    datasets = cfg.get("dataset")
+    datasets = list(datasets) if isinstance(datasets, (list, ListConfig)) else [datasets or {}]
+    if cfg.get("pack_micro_batches") or any(bool(d.get("packed", False)) for d in datasets):
+        raise ConfigError("on_policy_ratio", f"{ratio} needs unpacked samples (each one prompt to complete): set "
+                          "dataset.packed=false and pack_micro_batches=false, or on_policy_ratio=0")
+    if distributed:
+        raise ConfigError("on_policy_ratio", f"{ratio}: on-policy distillation runs in the single-device recipe "
+                          "only (recipes/knowledge_distillation_single_device.py); here set on_policy_ratio=0")
 
 
 def optional_dtype(key: str, value: Any) -> None:

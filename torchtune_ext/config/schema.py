@@ -28,7 +28,12 @@ from torchtune_ext.config.checkers import (
     switched_off,
     text_model,
 )
-from torchtune_ext.config.distillation import optional_dtype, unit_interval
+from torchtune_ext.config.distillation import (
+    on_policy_share,
+    optional_dtype,
+    sampling_temperature,
+    unit_interval,
+)
 from torchtune_ext.config.lora import lora_settings
 from torchtune_ext.errors import ConfigError
 
@@ -330,6 +335,16 @@ DISTILLATION_KEYS: Dict[str, Key] = {
     "kd_ratio": Key(0.5, unit_interval, doc=(
         "The step loss is (1 - kd_ratio) * CE + kd_ratio * KD, each summed over the step's trainable tokens and "
         "divided once by their number (torchtune's definition).")),
+    "on_policy_ratio": Key(0.0, on_policy_share, doc=(
+        "The share of each step's samples the student completes itself (chosen by a draw seeded by seed, step and "
+        "the sample); the teacher scores the completion and its tokens train on the reverse KL. 0: offline "
+        "distillation on the dataset's completions; 1: fully on-policy. Single device, unpacked data.")),
+    "on_policy_max_new_tokens": Key(32, positive_int, doc=(
+        "The longest on-policy completion, in tokens (it also ends at the tokenizer's first stop token).")),
+    "on_policy_temperature": Key(1.0, sampling_temperature, doc=(
+        "The temperature the student samples its on-policy completions at (> 0).")),
+    "on_policy_top_k": Key(None, optional_positive_int, doc=(
+        "Sample on-policy completions among the top_k most likely tokens only; null: among all.")),
 }
 
 

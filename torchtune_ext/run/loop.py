@@ -268,6 +268,9 @@ class TrainingRun:
                 step_metrics = getattr(self.objective, "step_metrics", None)  # an objective's own timings
                 if step_metrics is not None:
                     step_metrics()  # from here on: what validation measured is not this step's
+                begin_step = getattr(self.objective, "begin_step", None)  # on-policy distillation seeds by step
+                if begin_step is not None:
+                    begin_step(progress.step + 1)
                 result = train_step(
                     self.model, self.optimizer, self.objective, step_data.micro_batches, device=self.device,
                     backward=cfg.backward, clip_grad_norm=cfg.clip_grad_norm, dp_group=self.dp_group,

@@ -26,6 +26,17 @@ and Dean 2015, "Distilling the knowledge in a neural network", section 2):
   with ``m = (p_T + p_S) / 2`` (the generalized JSD of Agarwal et al. 2024,
   arXiv 2306.13649, at beta = 0.5).
 
+On-policy distillation (``on_policy_ratio`` > 0, :mod:`torchtune_ext.train.on_policy`): a
+share of the step's samples is completed by the student itself before any
+forward; their generated tokens are the trainable tokens of those samples,
+counted in ``N`` like any other, and each contributes ``CE_t = 0`` (the
+student's own sample is no target) and ``KD_t = KL(p_student || p_teacher)``
+at temperature 1 (the reverse KL of the student's policy, the on-policy
+divergence of Agarwal et al. 2024), whatever ``kd_loss`` says for the
+offline tokens. So ``loss = (1 - kd_ratio) * ce_loss + kd_ratio * kd_loss``
+still holds exactly; with ``kd_ratio`` 1 a generated token weighs as much as
+an offline one.
+
 Memory: both models return hidden states; the output projections run here on
 the trainable rows only, in chunks of rows (the SFT loss's technique,
 :class:`torchtune_ext.train.loss.SummedCrossEntropyLoss`), so a chunk's
@@ -47,6 +58,7 @@ from torchtune_ext.errors import ConfigError
 from torchtune_ext.train import accounting
 from torchtune_ext.train.loss import SummedCrossEntropyLoss, TokenSums, rows_per_output_chunk
 from torchtune_ext.train.objective import Prepared, prepare_micro_batch
+from torchtune_ext.train.on_policy import OnPolicySettings, complete_micro_batch
 
 log = logging.getLogger(__name__)
 
@@ -182,37 +194,76 @@ class DistillationObjective:
         teacher_project: ``[rows, hidden_T]`` -> ``[rows, vocab_T]`` teacher logits.
         kd_loss: the divergence and temperature.
         kd_ratio: weight of the KD term, in [0, 1].
+        on_policy: on-policy settings (None or a ratio of 0: offline, as if absent).
+        student: the student, which generates on-policy completions (required when ``on_policy.ratio`` > 0).
 
     Attributes:
         teacher_seconds (float): wall time of the teacher's forwards so far
             (CUDA synchronized), for the step record.
+        generated_tokens (int), generation_seconds (float): the student's
+            completions so far (on-policy only), for the step record.
+
+    Raises:
+        ValueError: ``kd_ratio`` outside [0, 1]; on-policy without a student.
     """
 
     unit = "tokens"
     metric_names = KD_METRICS
 
     def __init__(self, loss_fn: SummedCrossEntropyLoss, teacher: nn.Module,
-                 teacher_project: Callable[[torch.Tensor], torch.Tensor], kd_loss: KDLoss, kd_ratio: float):
+                 teacher_project: Callable[[torch.Tensor], torch.Tensor], kd_loss: KDLoss, kd_ratio: float,
+                 on_policy: Optional[OnPolicySettings] = None, student: Optional[nn.Module] = None):
         if not 0.0 <= float(kd_ratio) <= 1.0:
             raise ValueError(f"kd_ratio must be in [0, 1], got {kd_ratio!r}")
         self.loss_fn, self.teacher, self.teacher_project = loss_fn, teacher, teacher_project
         self.kd_loss, self.kd_ratio = kd_loss, float(kd_ratio)
+        self.on_policy = on_policy if on_policy is not None and on_policy.ratio > 0 else None
+        if self.on_policy is not None and student is None:
+            raise ValueError("on-policy distillation needs the student, which generates")
+        self.student = student
+        self.reverse_kl = KDLoss("reverse_kl")  # the divergence of a generated token
         self.teacher_seconds = 0.0
+        self.generated_tokens, self.generation_seconds = 0, 0.0
+        self._step: Optional[int] = None  # the training step being prepared; None: validation (offline)
 
     @property
     def ignore_index(self) -> int:
         return self.loss_fn.ignore_index
 
+    def begin_step(self, step: int) -> None:
+        """The loop starts training step ``step`` (1-based): its micro-batches get on-policy completions
+        (seeded by it) until :meth:`step_metrics` ends it; validation's stay offline."""
+        self._step = int(step)
+
     def prepare(self, micro_batch: dict, device: torch.device) -> Prepared:
+        """Shift and count as fine-tuning does; in a training step with on-policy distillation, first replace
+        the chosen samples by their prompt and the student's completion (``extra["generated"]``: the
+        ``[batch, seq_len]`` bool mask of the shifted positions whose label is a generated token)."""
+        generated = None
+        if self.on_policy is not None and self._step is not None:
+            start = time.perf_counter()
+            micro_batch, generated, num_generated = complete_micro_batch(
+                self.student, self.loss_fn.project, micro_batch, self.on_policy, self._step, self.ignore_index)
+            self.generation_seconds += time.perf_counter() - start
+            self.generated_tokens += num_generated
         inputs, labels = prepare_micro_batch(micro_batch, device, self.ignore_index)
         count = accounting.count_trainable_tokens(labels, self.ignore_index)  # the tensor the sums run over
-        return Prepared(inputs, labels, count, count)
+        if generated is None:
+            return Prepared(inputs, labels, count, count)
+        return Prepared(inputs, labels, count, count, extra={"generated": generated.to(device)})
 
     def step_metrics(self) -> dict:
         """``{"teacher_seconds": ...}``: the teacher's forward time since the last call (the loop calls it
-        before and after each optimizer step; the step record logs it)."""
+        before and after each optimizer step; the step record logs it); with on-policy distillation also
+        ``generated_tokens`` (this rank's) and ``generation_seconds``. Ends the step :meth:`begin_step` began."""
         seconds, self.teacher_seconds = self.teacher_seconds, 0.0
-        return {"teacher_seconds": seconds}
+        self._step = None
+        if self.on_policy is None:
+            return {"teacher_seconds": seconds}
+        record = {"teacher_seconds": seconds, "generated_tokens": self.generated_tokens,
+                  "generation_seconds": self.generation_seconds}
+        self.generated_tokens, self.generation_seconds = 0, 0.0
+        return record
 
     def teacher_hidden(self, tokens: torch.Tensor, **inputs) -> torch.Tensor:
         """The teacher's final hidden states under ``torch.no_grad`` (timed in :attr:`teacher_seconds`)."""
@@ -228,20 +279,29 @@ class DistillationObjective:
         inputs = dict(prepared.inputs)
         tokens = inputs.pop("tokens")
         teacher_hidden = self.teacher_hidden(tokens, **inputs)
-        return self.sums(model(tokens, **inputs), teacher_hidden, prepared.labels, recompute_output)
+        return self.sums(model(tokens, **inputs), teacher_hidden, prepared.labels, recompute_output,
+                         generated=prepared.extra.get("generated"))
 
-    def _chunk(self, student_rows: torch.Tensor, teacher_rows: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """``[ce_sum, kd_sum]`` of one chunk of rows (fp32, with the student's graph)."""
+    def _chunk(self, student_rows: torch.Tensor, teacher_rows: torch.Tensor, targets: torch.Tensor,
+               generated: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``[ce_sum, kd_sum]`` of one chunk of rows (fp32, with the student's graph); ``generated``: ``[rows]``
+        bool, the rows whose target the student generated (no CE, reverse KL at temperature 1)."""
         logits = self.loss_fn.project(student_rows)
         log_probs = torch.log_softmax(logits.float(), dim=-1)
-        ce = -log_probs[torch.arange(targets.numel(), device=targets.device), targets].sum(dtype=torch.float32)
         with torch.no_grad():
             teacher_logits = self.teacher_project(teacher_rows)
-        kd = self.kd_loss(logits, teacher_logits, log_probs)
+        if generated is None:
+            ce = -log_probs[torch.arange(targets.numel(), device=targets.device), targets].sum(dtype=torch.float32)
+            return torch.stack([ce, self.kd_loss(logits, teacher_logits, log_probs)])
+        offline = ~generated
+        picked = log_probs[torch.arange(targets.numel(), device=targets.device), targets]
+        ce = -picked[offline].sum(dtype=torch.float32)
+        kd = (self.kd_loss(logits[offline], teacher_logits[offline], log_probs[offline])
+              + self.reverse_kl(logits[generated], teacher_logits[generated], log_probs[generated]))
         return torch.stack([ce, kd])
 
     def sums(self, student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, shifted_labels: torch.Tensor,
-             recompute_output: bool = False) -> TokenSums:
+             recompute_output: bool = False, generated: Optional[torch.Tensor] = None) -> TokenSums:
         """The sums of one micro-batch from both models' hidden states.
 
         Args:
@@ -249,6 +309,8 @@ class DistillationObjective:
             teacher_hidden: ``[batch, seq_len, hidden_T]`` (no graph).
             shifted_labels: ``[batch, seq_len]``, ``ignore_index`` where nothing is learnt.
             recompute_output: keep each chunk's hidden rows, not its log-probabilities, for backward.
+            generated: ``[batch, seq_len]`` bool, the positions whose label the student generated
+                (on-policy; see the module docstring); None: all offline.
 
         Returns:
             :class:`TokenSums`: ``loss`` (graph), ``ce_loss`` and ``kd_loss`` (detached); all
@@ -257,17 +319,20 @@ class DistillationObjective:
         trainable = shifted_labels != self.ignore_index
         student_rows, teacher_rows = student_hidden[trainable], teacher_hidden[trainable]
         targets = shifted_labels[trainable]
+        flags = None if generated is None else generated[trainable]
         vocab = max(self.loss_fn.vocab_size or 0, 1) if self.loss_fn.owns_output_projection else None
         size = rows_per_output_chunk(self.loss_fn.num_output_chunks, targets.numel(), vocab)
         checkpointed = recompute_output and torch.is_grad_enabled()
         totals = torch.zeros(2, dtype=torch.float32, device=shifted_labels.device)
         # An empty micro-batch still gives one empty chunk: a zero loss connected to the student's parameters.
-        for s_rows, t_rows, ids in zip(student_rows.split(size), teacher_rows.split(size), targets.split(size)):
+        chunks = zip(student_rows.split(size), teacher_rows.split(size), targets.split(size),
+                     [None] * len(targets.split(size)) if generated is None else flags.split(size))
+        for s_rows, t_rows, ids, gen in chunks:
             if checkpointed:
-                totals = totals + checkpoint(self._chunk, s_rows, t_rows, ids, use_reentrant=False,
+                totals = totals + checkpoint(self._chunk, s_rows, t_rows, ids, gen, use_reentrant=False,
                                              preserve_rng_state=True)
             else:
-                totals = totals + self._chunk(s_rows, t_rows, ids)
+                totals = totals + self._chunk(s_rows, t_rows, ids, gen)
         ce, kd = totals[0], totals[1]
         loss = (1.0 - self.kd_ratio) * ce + self.kd_ratio * kd
         return TokenSums(loss=loss, metrics={"ce_loss": ce.detach(), "kd_loss": kd.detach()})

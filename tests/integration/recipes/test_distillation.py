@@ -1,4 +1,5 @@
-"""The distillation recipe, in process on tiny checkpoints: one LoRA run and one full run.
+"""The distillation recipe, in process on tiny checkpoints: one LoRA run, one full run and one on-policy run;
+and through `tune run` as a user types it (2 on-policy steps, two refusals).
 
 The teacher is a random 3-layer ``tiny_llama``, the student a 2-layer one with
 the same (SmolLM2) vocabulary. What the recipe adds is checked here: the
@@ -15,7 +16,7 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from tests.support.helpers import read_jsonl, recipe_class, run_recipe, tiny_alpaca16_config
+from tests.support.helpers import read_jsonl, recipe_class, run_recipe, run_tune, tiny_alpaca16_config
 from torchtune_ext.config import ConfigError, validate
 from torchtune_ext.run.distillation import distillation_keys
 
@@ -63,13 +64,18 @@ KD_LORA_ALIKE = ["max_steps_per_epoch=2", "gradient_accumulation_steps=1", "lr_s
                  "save_final_checkpoint=false"]
 
 
+# on-policy: half of the samples (a seeded draw per sample and step) completed by the student, 4 tokens at most
+ON_POLICY = ["on_policy_ratio=0.5", "on_policy_max_new_tokens=4"]
+
+
 @pytest.fixture(scope="module")
 def runs(smollm2_assets, tmp_path_factory):
-    """One LoRA and one full distillation run (3 steps of 2 x 2 samples each): (recipe, checked config) by name."""
+    """One LoRA, one full and one on-policy full distillation run (3 steps of 2 x 2 samples each): (recipe,
+    checked config) by name."""
     tmp = tmp_path_factory.mktemp("kd")
     out = {}
-    for name, model in (("lora", TINY_LORA), ("full", TINY)):
-        cfg = kd_config(smollm2_assets, tmp, name, model, "save_every_n_steps=2")  # step_2 and step_3 saved
+    for name, model, extra in (("lora", TINY_LORA, []), ("full", TINY, []), ("on_policy", TINY, ON_POLICY)):
+        cfg = kd_config(smollm2_assets, tmp, name, model, "save_every_n_steps=2", *extra)  # step_2, step_3 saved
         cfg = validate(cfg, extra_keys=distillation_keys(cfg))
         out[name] = (run_recipe(RECIPE, cfg), cfg)
     return out
@@ -103,10 +109,24 @@ def test_teacher_is_frozen_and_never_saved(runs, name):
     assert student and (name == "full") == (len(student) == len(list(recipe.model.parameters())))
 
 
-@pytest.mark.parametrize("name", ["lora", "full"])
+def test_on_policy_steps_log_their_generation(runs):
+    """Each step's generated tokens and generation time are logged; the count includes the generated tokens,
+    and the loss is still (1 - kd_ratio) * ce_loss + kd_ratio * kd_loss."""
+    _, cfg = runs["on_policy"]
+    rows = read_jsonl(f"{cfg.output_dir}/logs/metrics.jsonl")
+    offline = read_jsonl(f"{runs['full'][1].output_dir}/logs/metrics.jsonl")
+    assert sum(r["generated_tokens"] for r in rows) > 0
+    assert all(r["generation_seconds"] > 0 or r["generated_tokens"] == 0 for r in rows)
+    assert [r["num_tokens"] for r in rows] != [r["num_tokens"] for r in offline]
+    for r in rows:
+        assert abs(r["loss"] - ((1 - KD_RATIO) * r["ce_loss"] + KD_RATIO * r["kd_loss"])) <= 1e-5 * r["loss"]
+    assert "generated_tokens" not in offline[0]  # on_policy_ratio 0: the offline record, unchanged
+
+
+@pytest.mark.parametrize("name", ["lora", "full", "on_policy"])
 def test_resume_continues_as_the_straight_run(runs, smollm2_assets, tmp_path, name):
     """step_2 of the run, resumed: step 3 gives the same loss, kd_loss and grad_norm (the teacher is rebuilt from
-    its checkpoint, nothing of it is in step_2)."""
+    its checkpoint, nothing of it is in step_2); on-policy, the student regenerates the same step-3 samples."""
     import shutil
 
     recipe, cfg = runs[name]
@@ -121,6 +141,7 @@ def test_resume_continues_as_the_straight_run(runs, smollm2_assets, tmp_path, na
     assert got["step"] == want["step"] == 3 and got["num_tokens"] == want["num_tokens"]
     for key in ("loss", "kd_loss", "grad_norm"):
         assert got[key] == pytest.approx(want[key], rel=1e-5), key
+    assert got.get("generated_tokens") == want.get("generated_tokens")
 
 
 def test_bad_distillation_input_is_one_line(smollm2_assets, tmp_path):
@@ -145,3 +166,35 @@ def test_bad_distillation_input_is_one_line(smollm2_assets, tmp_path):
         recipe.cleanup()
     assert err.value.key == "teacher_model" and "\n" not in str(err.value)
     assert not (tmp_path / "other" / "logs").exists()  # refused before the run wrote anything
+
+
+def test_tune_run_distils_on_policy_and_refuses_bad_input_in_one_line(smollm2_assets, tmp_path):
+    """`tune run recipes/knowledge_distillation_single_device.py --config ...`, as a user types it: 2 on-policy
+    steps (the keys given on the command line) train and log their generation; on_policy_ratio 1.5, and a
+    sharded (DCP) teacher checkpoint, each end with one line naming the key, exit 2, before anything loads or
+    is written."""
+    cfg = kd_config(smollm2_assets, tmp_path, "tune_run", TINY, "max_steps_per_epoch=2")
+    cfg.pop("save_adapter_weights_only")  # a LoRA key (the config is the LoRA one): its warning is no error line
+    OmegaConf.save(cfg, tmp_path / "kd.yaml")
+    recipe = "recipes/knowledge_distillation_single_device.py"
+    proc = run_tune(recipe, "--config", str(tmp_path / "kd.yaml"), *ON_POLICY, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_jsonl(tmp_path / "tune_run" / "logs" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all("generated_tokens" in r and r["num_tokens"] > 0 for r in rows)
+    assert (tmp_path / "tune_run" / "step_2").is_dir()
+
+    step = tmp_path / "teacher_run" / "step_4"  # as a run with sharded_checkpoints writes it
+    (step / "dcp").mkdir(parents=True)
+    (step / "dcp" / ".metadata").write_bytes(b"\0")
+    for name, override, words in (
+            ("ratio", "on_policy_ratio=1.5", ["on_policy_ratio", "[0, 1]"]),
+            ("sharded", f"teacher_checkpointer.checkpoint_dir={step}",
+             ["teacher_checkpointer.checkpoint_dir", f"python -m torchtune_ext.checkpoint.export {step} OUT"])):
+        out = tmp_path / name
+        proc = run_tune(recipe, "--config", str(tmp_path / "kd.yaml"), f"output_dir={out}",
+                        f"checkpointer.output_dir={out}", override, timeout=300)
+        lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+        assert proc.returncode == 2 and len(lines) == 1, proc.stdout + proc.stderr
+        assert all(w in lines[0] for w in words), lines[0]
+        assert not out.exists()  # refused before the run wrote anything

@@ -47,3 +47,25 @@ def test_resume_with_another_teacher_is_refused():
     assert err.value.key == "teacher_model" and "\n" not in str(err.value)
     with pytest.raises(ConfigError):
         check_same_teacher({"teacher_model_dir": "models/a"}, OmegaConf.create({"teacher_model_dir": "models/b"}))
+
+
+def test_on_policy_keys_and_their_combinations():
+    """on_policy_ratio in [0, 1]; > 0 refused with packed data and in the distributed recipe, naming the key."""
+    from torchtune_ext.config.distillation import check_on_policy, on_policy_share, sampling_temperature
+
+    for good in (0, 0.5, 1):
+        on_policy_share("on_policy_ratio", good)
+    for bad in (-0.1, 1.5, True, "1"):
+        with pytest.raises(ConfigError, match="on_policy_ratio"):
+            on_policy_share("on_policy_ratio", bad)
+    for bad in (0, -1.0, None):
+        with pytest.raises(ConfigError, match="on_policy_temperature"):
+            sampling_temperature("on_policy_temperature", bad)
+    check_on_policy(OmegaConf.create({"dataset": {"packed": True}}), distributed=True)  # ratio 0: offline
+    check_on_policy(OmegaConf.create({"on_policy_ratio": 0.5, "dataset": {}}))
+    for cfg, distributed in (({"on_policy_ratio": 0.5, "dataset": {"packed": True}}, False),
+                             ({"on_policy_ratio": 0.5, "dataset": [{}], "pack_micro_batches": True}, False),
+                             ({"on_policy_ratio": 1, "dataset": {}}, True)):
+        with pytest.raises(ConfigError) as err:
+            check_on_policy(OmegaConf.create(cfg), distributed)
+        assert err.value.key == "on_policy_ratio" and "\n" not in str(err.value)
