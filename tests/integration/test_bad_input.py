@@ -202,3 +202,19 @@ def test_a_misspelt_override_ends_tune_run_with_one_line_before_anything_loads(t
         "error: config key 'optimzer.lr': typed on the command line, but this recipe has no key 'optimzer', so "
         "the value would be ignored. Did you mean 'optimizer'?"]
     assert not out.exists()
+
+
+def test_a_bad_log_model_ends_tune_run_with_one_line_before_anything_loads(tiny_run, tmp_path):
+    """metric_logger.log_model takes false, end or checkpoint: anything else is exit 2, one line naming the key
+    and the values, and the output folder is not even created."""
+    from tests.support.helpers import run_tune
+
+    out = tmp_path / "log_model_out"
+    proc = run_tune("recipes/full_finetune_single_device.py", "--config", str(tiny_run()), f"output_dir={out}",
+                    "metric_logger._component_=torchtune.training.metric_logging.WandBLogger",
+                    "metric_logger.mode=offline", "metric_logger.log_model=best")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    line = proc.stderr.strip().splitlines()[-1]  # after the tiny config's note that it does not validate
+    assert "Traceback" not in proc.stderr
+    assert line.startswith("error: config key 'metric_logger.log_model': expected one of false, end, checkpoint")
+    assert line.endswith("got 'best'") and not out.exists()

@@ -50,7 +50,8 @@ def read_offline_run(wandb_dir: str) -> Dict[str, object]:
     Returns:
         {"history": [dict per logged row], "config": {key: value},
          "metrics": {name or glob: {"step_metric": str, "summary": [str]}} (``define_metric``),
-         "name": the run's display name, "run_dir": the offline run's folder}
+         "name": the run's display name, "run_dir": the offline run's folder,
+         "artifacts": [{"name", "type", "aliases", "metadata", "files": {path in the artifact: the staged copy}}]}
     """
     files = glob.glob(os.path.join(wandb_dir, "**", "offline-run-*", "run-*.wandb"), recursive=True)
     assert len(files) == 1, f"expected one offline run under {wandb_dir}, found {files}"
@@ -58,6 +59,7 @@ def read_offline_run(wandb_dir: str) -> Dict[str, object]:
     config: Dict[str, object] = {}
     metrics: Dict[str, dict] = {}
     name = None
+    artifacts: List[dict] = []
     # wandb's service process may still be writing when wandb.finish() returns on a
     # busy machine: wait (up to a minute) for the run's closing "exit" record.
     deadline = time.time() + 60
@@ -85,9 +87,14 @@ def read_offline_run(wandb_dir: str) -> Dict[str, object]:
                 config[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
         elif kind == "run" and record.run.display_name:
             name = record.run.display_name
+        elif kind == "artifact":
+            a = record.artifact
+            artifacts.append({"name": a.name, "type": a.type, "aliases": list(a.aliases),
+                              "metadata": json.loads(a.metadata or "{}"),
+                              "files": {e.path: e.local_path for e in a.manifest.contents}})
         elif kind == "metric":
             m = record.metric
             summary = [f.name for f, on in m.summary.ListFields() if on]
             metrics[m.name or m.glob_name] = {"step_metric": m.step_metric, "summary": summary}
     return {"history": history, "config": config, "metrics": metrics, "name": name,
-            "run_dir": os.path.dirname(files[0])}
+            "run_dir": os.path.dirname(files[0]), "artifacts": artifacts}

@@ -303,6 +303,11 @@ class CheckpointManager(ShardedSaves):
         return final
 
 
+    @property
+    def pending(self) -> bool:
+        """An asynchronous save returned and has not been waited for: its folder may not be complete yet."""
+        return self._pending is not None
+
     def wait(self) -> None:
         """Wait for the asynchronous save in flight, if any.
 

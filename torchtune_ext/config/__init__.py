@@ -22,10 +22,12 @@ The names below are what the rest of the library and the recipes import.
 """
 
 from torchtune_ext.config.checkers import (
+    LOG_MODEL_CHOICES,
     MULTIMODAL_FAMILIES,
     check_output_chunks,
     enabled,
     import_component,
+    log_model_mode,
     resolve_component,
     validation_enabled,
 )
@@ -51,6 +53,7 @@ __all__ = [
     "DISTILLATION_KEYS",
     "DISTRIBUTED_KEYS",
     "LORA_ATTN_MODULES",
+    "LOG_MODEL_CHOICES",
     "LORA_KEYS",
     "MULTIMODAL_FAMILIES",
     "NO_DEFAULT",
@@ -67,6 +70,7 @@ __all__ = [
     "enabled",
     "ignored_keys",
     "import_component",
+    "log_model_mode",
     "lora_settings",
     "remind_ignored_keys",
     "resolve_component",

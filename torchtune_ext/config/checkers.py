@@ -121,6 +121,26 @@ def switched_off(node: Any) -> bool:
                             and node["_component_"] is None)
 
 
+# Values of ``metric_logger.log_model``, as Hugging Face's WANDB_LOG_MODEL: which checkpoints become W&B artifacts.
+LOG_MODEL_CHOICES = ("false", "end", "checkpoint")
+
+
+def log_model_mode(metric_logger: Any) -> str:
+    """``metric_logger.log_model``: ``false`` (the default, also with the logger off), ``end`` (the final
+    checkpoint) or ``checkpoint`` (every checkpoint saved); YAML's ``false`` counts as ``"false"``.
+
+    Raises:
+        ConfigError: (key ``metric_logger.log_model``) any other value.
+    """
+    node = enabled(metric_logger)
+    value = node.get("log_model", "false") if node is not None else "false"
+    value = "false" if value is False else value
+    if value not in LOG_MODEL_CHOICES:
+        raise ConfigError("metric_logger.log_model", f"expected one of {', '.join(LOG_MODEL_CHOICES)} (which "
+                          f"checkpoints W&B keeps as model artifacts: none, the final one, every one), got {value!r}")
+    return value
+
+
 def validation_enabled(cfg: DictConfig) -> bool:
     """Whether a recipe validates during training: ``run_val_every_n_steps`` or
     ``run_val_at_start`` asks for it (torchtune's convention: a ``dataset_val``

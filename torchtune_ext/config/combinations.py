@@ -15,6 +15,7 @@ from torchtune_ext.config.checkers import (
     check_output_chunks,
     enabled,
     import_component,
+    log_model_mode,
     switched_off,
     validation_enabled,
 )
@@ -182,6 +183,10 @@ def check_combinations(cfg: DictConfig, training: bool = True) -> None:
             raise ConfigError("enable_activation_offloading", "needs enable_activation_checkpointing=true (it "
                               "offloads the checkpointed layer inputs), as in torchtune")
     check_sharded_checkpoints(cfg)
+    if log_model_mode(cfg.get("metric_logger")) == "end" and training and not cfg.save_final_checkpoint:
+        raise ConfigError("metric_logger.log_model", "end logs the final checkpoint, which "
+                          "save_final_checkpoint=false leaves out: set save_final_checkpoint=true, or "
+                          "metric_logger.log_model=checkpoint to log the periodic checkpoints")
     ckpt_dir = cfg.checkpointer.get("output_dir")
     if ckpt_dir is not None and os.path.abspath(str(ckpt_dir)) != os.path.abspath(str(cfg.output_dir)):
         # torchtune saves where this says; every save, resume and disk check here works in output_dir

@@ -175,7 +175,9 @@ COMMON_KEYS: Dict[str, Key] = {
         "The loss: summed over trainable tokens and divided once per step; torchtune's cross-entropy losses run "
         "as torchtune_ext.train.loss.SummedCrossEntropyLoss.")),
     "metric_logger": Key(None, optional_component_node, doc=(
-        "A torchtune metric logger (e.g. W&B) besides logs/metrics.jsonl; null: the JSONL file only.")),
+        "A torchtune metric logger (e.g. W&B) besides logs/metrics.jsonl; null: the JSONL file only. With W&B, "
+        "`log_model` (ours, as Hugging Face's): `false` (default), `end` (the final checkpoint) or `checkpoint` "
+        "(every one) as W&B model artifacts (docs/metrics.md).")),
     "seed": Key(None, optional_int, doc=(
         "Seed of model initialization, LoRA adapters and dropout; null: a random one, saved with the checkpoint.")),
     "shuffle": Key(True, boolean, doc=(

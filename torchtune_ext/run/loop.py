@@ -24,7 +24,7 @@ micro-batches and ranks, divide a summed loss once) is
 
 import logging
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, Optional, Type
+from typing import Any, Callable, Dict, Iterable, Optional, Tuple, Type
 
 import torch
 from omegaconf import DictConfig
@@ -104,6 +104,7 @@ class TrainingRun:
         self._stop = GracefulStop(self.device, self.rank, cfg.output_dir)  # SIGTERM / Ctrl-C: save, exit 75
         self._resumed = None
         self._lock = self.metric_logger = None
+        self._unannounced: Optional[Tuple[Path, bool]] = None  # a saved checkpoint the metric logger has not heard of
 
     def _build_parallelism(self) -> "parallel.Parallelism":
         tensor_parallel_dim = self.cfg.get("tensor_parallel_dim", 1)
@@ -247,6 +248,7 @@ class TrainingRun:
             (:class:`torchtune_ext.run.control.preemption.GracefulStop`).
         """
         cfg, progress = self.cfg, self.progress
+        save_checkpoint = self._announced(save_checkpoint)
         keep_freed_cpu_memory(self.device)  # CPU: each step reuses the last one's pages instead of faulting them in
         reporter = StepReporter(self.metric_logger, self.device, total_steps=progress.total_steps,
                                 initial_step=progress.step, log_every_n_steps=cfg.log_every_n_steps,
@@ -261,7 +263,7 @@ class TrainingRun:
             for step_data in self.data.epoch(progress.epoch, progress.samples_in_epoch, progress.steps_in_epoch):
                 if self._stop.requested():  # all ranks agree
                     saved = save_checkpoint() if progress.step else None
-                    self.checkpoints.wait()  # an asynchronous save is complete before the exit status says so
+                    self._announce_pending()  # an asynchronous save is complete before the exit status says so
                     return self._stop.stop(saved, progress.step)
                 reporter.start_step()
                 lr = training.get_lr(self.optimizer)
@@ -295,12 +297,34 @@ class TrainingRun:
                 progress.complete_epoch()
             if progress.epoch < cfg.epochs or cfg.save_final_checkpoint:
                 save_checkpoint()
-        self.checkpoints.wait()  # an asynchronous save still in flight: its failure is the run's
+        self._announce_pending()  # an asynchronous save still in flight: its failure is the run's
         reporter.close()
         self.log(self._health.finish())  # a summary; an error if the run ended in non-finite steps
         return self._stop.finished()  # a signal during the cleanup no longer changes the outcome
 
     # ------------------------------------------------------------- checkpoint
+    def _announced(self, save_checkpoint: Callable[[], Path]) -> Callable[[], Path]:
+        """``save_checkpoint``, after which the metric logger hears of the checkpoint once it is complete
+        (``metric_logger.log_model``: a W&B artifact): at once, or, for an asynchronous save, when the next
+        save or the end of the run waits for it (before the next save may prune it)."""
+        def save() -> Path:
+            self._announce_pending()  # the next save would wait for it first anyway
+            folder = save_checkpoint()
+            self._unannounced = (folder, self.progress.epoch >= self.cfg.epochs)  # final: the end of training's
+            if not self.checkpoints.pending:
+                self._announce_pending()
+            return folder
+
+        return save
+
+    def _announce_pending(self) -> None:
+        """Wait for a save in flight; then tell the metric logger of the checkpoint not yet announced."""
+        self.checkpoints.wait()
+        unannounced, self._unannounced = self._unannounced, None
+        if unannounced is not None:
+            folder, final = unannounced
+            self.metric_logger.checkpoint_saved(folder, final=final)
+
     def full_model_state(self) -> Dict[str, torch.Tensor]:
         """The model's whole state dict on CPU: gathered from every rank onto rank 0 (others get ``{}``)."""
         if self.distributed:  # every rank takes part in gathering

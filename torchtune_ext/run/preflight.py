@@ -22,7 +22,8 @@ cheaply:
 5. the metric logger's ``log_dir`` can be created, and a W&B logger's run
    settings (``mode``, ``project``, ...) pass W&B's own validation
    (``wandb.Settings``): both otherwise fail only when the logger starts,
-   after the model has loaded;
+   after the model has loaded; ``metric_logger.log_model`` only with W&B's
+   logger (another would take it as an argument and ignore it);
 6. the ``profiler`` section's arguments are ones ``setup_torch_profiler``
    takes (it is called only after the model has loaded);
 7. the tokenizer builds from its files, and formats a chat where the
@@ -39,7 +40,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from torchtune import config as tt_config
 
 from torchtune_ext import ranks
-from torchtune_ext.config import PROFILER_COMPONENT, check_output_dir, enabled, resolve_component
+from torchtune_ext.config import PROFILER_COMPONENT, check_output_dir, enabled, log_model_mode, resolve_component
 from torchtune_ext.config.preference import PREFERENCE_LOSSES
 from torchtune_ext.data.tokenizer import check_tokenizer
 from torchtune_ext.errors import ConfigError, UserError
@@ -144,6 +145,10 @@ def _check_metric_logger(cfg: DictConfig) -> None:
 
     target = resolve_component(logger._component_)
     if not (isinstance(target, type) and issubclass(target, WandBLogger)):
+        if log_model_mode(logger) != "false":  # another logger would take the key as an argument and ignore it
+            raise ConfigError("metric_logger.log_model", f"only W&B's logger logs checkpoints as artifacts, not "
+                              f"{logger._component_}: use torchtune.training.metric_logging.WandBLogger, or "
+                              f"remove metric_logger.log_model")
         return
     import pydantic
     import wandb

@@ -123,6 +123,26 @@ def test_wandb_settings_are_checked_before_loading(tiny_cfg, override, words):
                               "metric_logger.tags=[a,b]", "metric_logger.group=g"), CPU)
 
 
+def test_log_model_takes_false_end_or_checkpoint_with_wandb_only(tiny_cfg):
+    """metric_logger.log_model: a bad value names the key and the values it takes; another logger would take the
+    key as an argument and ignore it; `end` needs the final checkpoint. All before anything loads."""
+    with pytest.raises(ConfigError) as err:
+        tiny_cfg(WANDB, "metric_logger.log_model=always")
+    assert str(err.value).startswith("config key 'metric_logger.log_model': expected one of false, end, "
+                                     "checkpoint (") and str(err.value).endswith("got 'always'")
+    with pytest.raises(ConfigError, match="'metric_logger.log_model': end logs the final checkpoint, which "
+                       "save_final_checkpoint=false leaves out"):
+        tiny_cfg(WANDB, "metric_logger.log_model=end", "save_final_checkpoint=false")
+    with pytest.raises(ConfigError, match=r"'metric_logger.log_model': only W&B's logger logs checkpoints as "
+                       r"artifacts, not torchtune.training.metric_logging.DiskLogger"):
+        check_components(tiny_cfg("metric_logger._component_=torchtune.training.metric_logging.DiskLogger",
+                                  "metric_logger.log_model=end"), CPU)
+    for value in ("false", "end", "checkpoint"):
+        check_components(tiny_cfg(WANDB, "metric_logger.mode=offline", f"metric_logger.log_model={value}"), CPU)
+    # metric_logger=null on the command line: the key goes with the logger it belongs to
+    check_components(tiny_cfg(WANDB, "metric_logger._component_=null", "metric_logger.log_model=end"), CPU)
+
+
 def test_wandb_that_cannot_start_is_one_config_error(tiny_cfg, tmp_path, monkeypatch):
     """mode=online without an API key: wandb.init raises UsageError when the logger starts (setup rolls back)."""
     import wandb

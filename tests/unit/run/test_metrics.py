@@ -51,6 +51,7 @@ def test_jsonl_and_backend_on_rank_zero_only(tmp_path):
     backend = RecordingBackend()
     logger = MetricLogger(tmp_path / "logs" / "metrics.jsonl", backend, rank=0)
     logger.log({"step": 1, "loss": 0.5})
+    assert backend.rows == [(1, {"loss": 0.5})]  # at once: W&B's own loss panel draws it while the run goes
     logger.log({"step": 2, "loss": 0.25})
     logger.close()
     lines = [json.loads(l) for l in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
@@ -280,3 +281,141 @@ def test_peak_memory_logged_is_the_largest_over_ranks(monkeypatch, tmp_path):
                                epoch=0, lr=1e-3, skipped_steps=0)
     reporter.close()
     assert ops == [dist.ReduceOp.MAX] and record["peak_memory_gib"] == 3.5
+
+
+def wandb_config(tmp_path, **settings):
+    """An offline W&B metric logger writing under ``tmp_path/logs``; ``settings`` are more metric_logger keys."""
+    return OmegaConf.create({
+        "output_dir": str(tmp_path),
+        "metric_logger": {"_component_": "torchtune.training.metric_logging.WandBLogger", "project": "test",
+                          "mode": "offline", "log_dir": str(tmp_path / "logs"), **settings},
+    })
+
+
+def saved_checkpoint(folder, step):
+    """A complete checkpoint folder as a save leaves it: its files, then the manifest with their sizes and SHA-256."""
+    from torchtune_ext.checkpoint import HASHES, MANIFEST, file_sha256
+
+    (folder / "dcp").mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(bytes(range(256)) * step)
+    (folder / "dcp" / "__0_0.distcp").write_bytes(b"shard" * step)
+    (folder / "recipe_state.pt").write_bytes(b"state")
+    files = {p.relative_to(folder).as_posix(): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
+    manifest = {"step": step, "files": files, HASHES: {name: file_sha256(folder / name) for name in files}}
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+    return folder
+
+
+@pytest.mark.parametrize("log_model,logged", [(None, []), ("end", ["step_4"]),
+                                              ("checkpoint", ["step_2", "step_4"])])
+def test_log_model_logs_complete_checkpoints_as_model_artifacts(tmp_path, monkeypatch, log_model, logged):
+    """metric_logger.log_model (as Hugging Face's): by default nothing; `end` the final checkpoint; `checkpoint`
+    every one, once each (a periodic save that ends the epoch is heard of twice). Each is an artifact of type
+    model in the offline run holding every file of the checkpoint, as saved; wandb.init never sees the key."""
+    monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "wandb_data"))  # W&B's staged copies of the files
+    settings = {} if log_model is None else {"log_model": log_model}
+    logger = build_metric_logger(wandb_config(tmp_path, **settings), rank=0)
+    folders = {2: saved_checkpoint(tmp_path / "step_2", 2), 4: saved_checkpoint(tmp_path / "step_4", 4)}
+    logger.checkpoint_saved(folders[2], final=False)
+    logger.checkpoint_saved(folders[4], final=True)
+    logger.checkpoint_saved(folders[4], final=True)
+    logger.close()
+    run = read_offline_run(str(tmp_path / "logs"))
+    assert [a["metadata"]["step"] for a in run["artifacts"]] == [int(name.split("_")[1]) for name in logged]
+    for artifact, name in zip(run["artifacts"], logged):
+        folder = tmp_path / name
+        assert artifact["type"] == "model" and artifact["name"].startswith("model-")
+        assert name in artifact["aliases"] and ("final" in artifact["aliases"]) == (name == "step_4")
+        on_disk = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
+        assert set(artifact["files"]) == on_disk and "checkpoint.json" in on_disk
+        for path, staged in artifact["files"].items():
+            assert open(staged, "rb").read() == (folder / path).read_bytes(), path
+
+
+def test_log_model_never_logs_a_checkpoint_whose_files_changed(tmp_path, monkeypatch, caplog):
+    """A file that no longer matches the manifest's SHA-256 (same size): not logged, and a warning names it."""
+    monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "wandb_data"))
+    logger = build_metric_logger(wandb_config(tmp_path, log_model="checkpoint"), rank=0)
+    folder = saved_checkpoint(tmp_path / "step_3", 3)
+    damaged = bytearray((folder / "model.safetensors").read_bytes())
+    damaged[:8] = bytes(8)
+    (folder / "model.safetensors").write_bytes(bytes(damaged))
+    with caplog.at_level("WARNING"):
+        logger.checkpoint_saved(folder, final=True)
+    logger.close()
+    assert read_offline_run(str(tmp_path / "logs"))["artifacts"] == []
+    assert "Not logged to W&B as a model artifact" in caplog.text and "model.safetensors" in caplog.text
+
+
+def test_log_model_logs_from_rank_zero_only(tmp_path, monkeypatch):
+    """Every rank hears of a checkpoint; only rank 0 holds a W&B run (and the other ranks start none)."""
+    import wandb
+
+    def no_run(**kwargs):
+        raise AssertionError("a W&B run started on rank 1")
+
+    monkeypatch.setattr(wandb, "init", no_run)
+    logger = build_metric_logger(wandb_config(tmp_path, log_model="checkpoint"), rank=1)
+    logger.checkpoint_saved(saved_checkpoint(tmp_path / "step_1", 1), final=True)
+    logger.close()
+    assert not (tmp_path / "logs").exists()
+
+
+def test_the_loop_announces_an_asynchronous_checkpoint_only_once_it_is_complete():
+    """An asynchronous save returns before its folder is complete: the metric logger hears of it only after the
+    wait, which the next save (before it may prune the folder) or the end of the run does anyway."""
+    from types import SimpleNamespace
+
+    from torchtune_ext.run.loop import TrainingRun
+
+    events = []
+
+    class Saves:  # CheckpointManager's side: an asynchronous save is pending until waited for
+        pending = False
+
+        def wait(self):
+            if self.pending:
+                events.append("complete")
+            self.pending = False
+
+    run = TrainingRun.__new__(TrainingRun)
+    run.cfg, run.progress, run.checkpoints = SimpleNamespace(epochs=1), SimpleNamespace(epoch=0), Saves()
+    run.metric_logger = SimpleNamespace(checkpoint_saved=lambda folder, final: events.append((folder, final)))
+    run._unannounced = None
+    folders = iter(["step_2", "step_4", "step_6"])
+
+    def save(asynchronous):
+        def recipe_save():
+            events.append("save")
+            run.checkpoints.pending = asynchronous
+            return next(folders)
+        return recipe_save
+
+    run._announced(save(True))()
+    assert events == ["save"]  # in flight: not yet
+    run._announced(save(False))()
+    assert events == ["save", "complete", ("step_2", False), "save", ("step_4", False)]
+    run.progress.epoch = 1  # the end of training's save
+    run._announced(save(True))()
+    run._announce_pending()
+    assert events[-3:] == ["save", "complete", ("step_6", True)]
+
+
+def test_a_checkpoint_w_and_b_cannot_copy_stops_the_run_as_a_failed_write(tmp_path, monkeypatch):
+    """W&B copies an artifact's files into its staging folder: a full disk there is the run's exit 74, with the
+    line naming the checkpoint to resume from, as a failed metrics write."""
+    from torchtune_ext.errors import OutputWriteError
+    from torchtune_ext.run.metrics import logger as logger_module
+
+    def full_disk(folder, final):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(logger_module, "log_checkpoint_artifact", full_disk)
+    backend = RecordingBackend()
+    logger = MetricLogger(tmp_path / "logs" / "metrics.jsonl", backend, wandb_charts=True, log_model="end")
+    folder = saved_checkpoint(tmp_path / "step_2", 2)
+    logger.checkpoint_saved(folder, final=False)  # `end`: not the final one, nothing to copy
+    with pytest.raises(OutputWriteError, match=r"writing checkpoint .*step_2 to W&B as a model artifact failed "
+                       r"\(the disk is full\): training stopped after step 2; resume from .*step_2"):
+        logger.checkpoint_saved(folder, final=True)
+    assert backend.closed

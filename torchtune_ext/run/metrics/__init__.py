@@ -13,6 +13,7 @@ The modules, each with one job:
 * :mod:`~torchtune_ext.run.metrics.timer`: a step's wall time;
 * :mod:`~torchtune_ext.run.metrics.record`: the step record, the progress bar's text, the last step's line;
 * :mod:`~torchtune_ext.run.metrics.wandb_charts`: W&B's axes and the whole run's loss charts;
+* :mod:`~torchtune_ext.run.metrics.model_artifacts`: a checkpoint as a W&B model artifact (``log_model``);
 * :mod:`~torchtune_ext.run.metrics.logger`: the rank-aware logger (JSONL and a torchtune backend);
 * :mod:`~torchtune_ext.run.metrics.reporter`: all of it once per step, for the training loop.
 """

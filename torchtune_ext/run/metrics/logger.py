@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Set
 
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
@@ -20,8 +20,10 @@ from torchtune import config as tt_config
 
 from torchtune_ext import ranks
 from torchtune_ext.checkpoint import write_failed
-from torchtune_ext.config import enabled
+from torchtune_ext.checkpoint.discovery import step_of
+from torchtune_ext.config import enabled, log_model_mode
 from torchtune_ext.errors import EXIT_IO_ERROR, ConfigError
+from torchtune_ext.run.metrics.model_artifacts import log_checkpoint_artifact
 from torchtune_ext.run.metrics.wandb_charts import define_wandb_axes, end_wandb_service, log_wandb_loss_charts
 
 # After a failed write, how long the metric logger's backend may take to close before the run exits anyway.
@@ -39,10 +41,12 @@ class MetricLogger:
             combined loss charts of the whole run (:func:`log_wandb_loss_charts`,
             from the JSONL file, so a resumed run's chart covers all of it).
         resume (bool): the run continues from a checkpoint in the same folder.
+        log_model (str): with W&B, which checkpoints :meth:`checkpoint_saved` logs as model artifacts:
+            ``false`` none, ``end`` the final one, ``checkpoint`` every one (``metric_logger.log_model``).
     """
 
     def __init__(self, jsonl_path: Path, backend: Optional[Any] = None, rank: int = 0, wandb_charts: bool = False,
-                 resume: bool = False):
+                 resume: bool = False, log_model: str = "false"):
         self._active = rank == 0
         self._backend = backend if self._active else None
         self._resume = resume
@@ -50,6 +54,8 @@ class MetricLogger:
         self._jsonl = None
         self._path = jsonl_path
         self._wandb_charts = wandb_charts and self._backend is not None
+        self._log_model = log_model if self._wandb_charts else "false"
+        self._logged_checkpoints: Set[Path] = set()
         if self._active:
             jsonl_path.parent.mkdir(parents=True, exist_ok=True)
             self._jsonl = open(jsonl_path, "a", buffering=1)
@@ -99,6 +105,24 @@ class MetricLogger:
             except OSError as err:
                 raise self._failed(f"the metrics of step {record['step']} to the metric logger", record["step"],
                                    err) from err
+
+    def checkpoint_saved(self, folder: Path, *, final: bool) -> None:
+        """Hear of checkpoint ``folder``, complete (its save returned, or was waited for); ``final``: the end of
+        training's. With ``log_model`` (W&B, rank 0) it becomes a model artifact, once, after its files are
+        checked against its manifest (:func:`~torchtune_ext.run.metrics.model_artifacts.log_checkpoint_artifact`).
+
+        Raises:
+            OutputWriteError: W&B could not copy the files (a full disk); the message names the checkpoint to
+                resume from. The recipes exit with 74.
+        """
+        wanted = self._log_model == "checkpoint" or (self._log_model == "end" and final)
+        if self._backend is None or not wanted or folder in self._logged_checkpoints:
+            return
+        self._logged_checkpoints.add(folder)
+        try:
+            log_checkpoint_artifact(folder, final=final)
+        except OSError as err:
+            raise self._failed(f"checkpoint {folder} to W&B as a model artifact", step_of(folder), err) from err
 
     def _failed(self, what: str, step: int, err: OSError):
         """Stop writing (a full disk refuses the rest too) and end the backend now, without waiting on a write."""
@@ -164,7 +188,8 @@ def build_metric_logger(cfg: DictConfig, rank: int, resume: bool = False) -> Met
     ``metric_logger`` means JSONL only. For W&B, the run id is kept in
     ``<output_dir>/logs/wandb_run_id`` and a resumed training run continues
     the same W&B run (``resume="allow"``); the run is named after the output
-    folder unless ``metric_logger.name`` says otherwise.
+    folder unless ``metric_logger.name`` says otherwise. ``metric_logger.log_model``
+    is ours (which checkpoints become W&B artifacts), not handed to W&B.
 
     Under torchrun every rank calls it (a collective): when rank 0's W&B run
     cannot start, every rank raises, so none goes on to train alone.
@@ -184,8 +209,12 @@ def build_metric_logger(cfg: DictConfig, rank: int, resume: bool = False) -> Met
         if is_wandb and cfg.metric_logger.get("name") is None:
             # W&B would pick a random name: the output folder's is the one the user looks for
             kwargs["name"] = Path(cfg.output_dir).resolve().name
+        node = cfg.metric_logger
+        if "log_model" in node:  # ours: wandb.init would refuse it
+            node = OmegaConf.create(OmegaConf.to_container(node, resolve=True))
+            node.pop("log_model")
         try:
-            backend = tt_config.instantiate(cfg.metric_logger, **kwargs)
+            backend = tt_config.instantiate(node, **kwargs)
         except Exception as err:
             if not is_wandb:
                 raise
@@ -213,4 +242,4 @@ def build_metric_logger(cfg: DictConfig, rank: int, resume: bool = False) -> Met
     if failure is not None:
         raise failure
     return MetricLogger(logs / "metrics.jsonl", backend, rank, wandb_charts=backend is not None and is_wandb,
-                        resume=resume)
+                        resume=resume, log_model=log_model_mode(cfg.get("metric_logger")))
