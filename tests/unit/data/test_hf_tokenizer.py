@@ -141,6 +141,31 @@ def write_family(folder, smollm2_dir, name, template=None):
     return folder
 
 
+class _LoadedOnce:
+    """``AutoTokenizer`` for the module under test, loading each folder once (a load took 0.5-5 s here, by load
+    of the machine; tests build ``hf_tokenizer`` about 20 times on the same 4 folders). ``HFTokenizer`` keeps
+    its own template, length and template variables and changes nothing on the transformers tokenizer, so
+    its instances may share one. The references the tests compare with are loaded apart, with transformers'
+    own ``AutoTokenizer``; a folder that fails to load fails each time (nothing is cached)."""
+
+    _loaded = {}
+
+    @classmethod
+    def from_pretrained(cls, folder, **kwargs):
+        key = (folder, tuple(sorted(kwargs.items())))
+        if key not in cls._loaded:
+            cls._loaded[key] = AutoTokenizer.from_pretrained(folder, **kwargs)
+        return cls._loaded[key]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _load_each_folder_once():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("torchtune_ext.data.hf_tokenizer.AutoTokenizer", _LoadedOnce)
+        yield
+    _LoadedOnce._loaded.clear()
+
+
 @pytest.fixture(scope="module")
 def folders(smollm2_assets, tmp_path_factory):
     root = tmp_path_factory.mktemp("hf_tokenizers")
@@ -296,9 +321,9 @@ def labels_of(tokens, mask):
     return [CROSS_ENTROPY_IGNORE_IDX if m else t for t, m in zip(tokens, mask, strict=True)]
 
 
-def test_torchtune_datasets(folders, tmp_path):
+def test_torchtune_datasets(folders, toks, tmp_path):
     tok = hf_tokenizer(str(folders["gemma"]), max_seq_len=64)
-    hf = AutoTokenizer.from_pretrained(str(folders["gemma"]))
+    hf = toks["gemma"][1]  # transformers' own, loaded apart
 
     alpaca = tmp_path / "alpaca.json"
     alpaca.write_text(json.dumps([{"instruction": "Name a colour.", "input": "", "output": "Blue."}]))

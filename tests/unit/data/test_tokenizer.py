@@ -227,14 +227,17 @@ def test_chat_dataset(real_tok, tmp_path):
 
 # ------------------------------------------------------------------- the chat template checkpoints carry
 def hf_ids(folder, messages, **options):
+    """The ids transformers' tokenizer of ``folder`` gives ``messages``; ``folder`` may be one already loaded."""
     from transformers import AutoTokenizer
 
     conversation = [{"role": m.role, "content": m.text_content} for m in messages]
-    return AutoTokenizer.from_pretrained(str(folder)).apply_chat_template(conversation, tokenize=True,
-                                                                          **options)["input_ids"]
+    hf = AutoTokenizer.from_pretrained(str(folder)) if isinstance(folder, (str, Path)) else folder
+    return hf.apply_chat_template(conversation, tokenize=True, **options)["input_ids"]
 
 
 def test_chat_template_writes_what_the_tokenizer_writes(real_tok, smollm2_assets, tmp_path):
+    from transformers import AutoTokenizer
+
     from torchtune_ext.checkpoint.tokenizer_files import write_chat_template
 
     folder = tmp_path / "saved"
@@ -246,9 +249,10 @@ def test_chat_template_writes_what_the_tokenizer_writes(real_tok, smollm2_assets
                                             prompt_template={"user": ("Q: \"", "\"\nA: \u00e9\U0001f600"),
                                                              "assistant": ("Answer: ", "")})):
         assert write_chat_template(folder, tok.chat_template)
-        assert hf_ids(folder, TWO_TURNS) == tok.tokenize_messages(TWO_TURNS)[0]
+        hf = AutoTokenizer.from_pretrained(str(folder))  # read after the write: the folder as saved
+        assert hf_ids(hf, TWO_TURNS) == tok.tokenize_messages(TWO_TURNS)[0]
         prompt = [Message("user", "Hi", masked=True)]
-        assert hf_ids(folder, prompt, add_generation_prompt=True) == tok.tokenize_messages(
+        assert hf_ids(hf, prompt, add_generation_prompt=True) == tok.tokenize_messages(
             [*prompt, Message("assistant", "")], add_end_tokens=False)[0]
     assert not write_chat_template(folder, tok.chat_template)  # already there: nothing written
     llama2 = smollm2_tokenizer(str(smollm2_assets / "SmolLM2-135M-Instruct"),
