@@ -111,4 +111,8 @@ PREFERENCE_KEYS: Dict[str, Key] = {
     "dataset_val": Key(None, _optional_pairs, doc=(
         "A held-out preference dataset: validation reports the loss and pair metrics as means over its pairs.")),
     "pack_micro_batches": Key(False, _not_packed, doc="Must be false: a pair's responses are two rows."),
+    "precompute_reference_log_probs": Key(False, boolean, doc=(
+        "Run the reference model over every training and validation pair once before training and store the "
+        "summed log-probabilities in output_dir/reference_log_probs.pt (with a fingerprint of the pairs and "
+        "the model); training never runs the reference, a resume reads the file (docs/preference.md).")),
 }

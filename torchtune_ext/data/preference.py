@@ -28,6 +28,8 @@ responses has no trainable token left (cut away, or empty) is refused here
 with its index, before the model loads.
 """
 
+import hashlib
+import json
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 import torch
@@ -162,16 +164,29 @@ def pair_sample(pair: Dict[str, Any]) -> Dict[str, Any]:
 
 
 class PairDataset(Dataset):
-    """A preference dataset whose items are :func:`pair_sample`'s."""
+    """A preference dataset whose items are :func:`pair_sample`'s, each with its ``pair_index``:
+    ``index_offset + index``, where precomputed reference log-probabilities are looked up
+    (:class:`torchtune_ext.train.preference.PrecomputedReference`; validation pairs follow the training pairs)."""
 
-    def __init__(self, dataset: Dataset):
-        self.dataset = dataset
+    def __init__(self, dataset: Dataset, index_offset: int = 0):
+        self.dataset, self.index_offset = dataset, index_offset
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getitem__(self, index: int) -> Dict[str, Any]:
-        return pair_sample(self.dataset[index])
+        return {**pair_sample(self.dataset[index]), "pair_index": self.index_offset + index}
+
+
+def pairs_fingerprint(dataset: Dataset) -> str:
+    """SHA-256 (hex) of every pair's token ids, labels and chosen length, in order: what the tokenizer, its
+    ``max_seq_len`` and the data made of the dataset. One more pass over ``dataset`` (:class:`PairDataset`)."""
+    digest = hashlib.sha256()
+    for index in range(len(dataset)):
+        sample = dataset[index]
+        values = [[int(t) for t in sample["tokens"]], [int(t) for t in sample["labels"]], int(sample["chosen_len"])]
+        digest.update(json.dumps(values).encode())
+    return digest.hexdigest()
 
 
 def collate_pairs(samples: List[Dict[str, Any]], padding_idx: int = 0, ignore_idx: int = -100) -> Dict[str, Any]:
@@ -179,7 +194,8 @@ def collate_pairs(samples: List[Dict[str, Any]], padding_idx: int = 0, ignore_id
 
     Returns:
         dict: ``tokens`` and ``labels`` ``[2P, longest]`` (``labels`` unshifted, padding
-        ``ignore_idx``), ``lengths`` ``[2P]`` the non-padding tokens of each row.
+        ``ignore_idx``), ``lengths`` ``[2P]`` the non-padding tokens of each row, and where the samples
+        have one, ``pair_index`` ``[P]`` (:class:`PairDataset`).
     """
     rows = [(s["tokens"][:s["chosen_len"]], s["labels"][:s["chosen_len"]]) for s in samples]
     rows += [(s["tokens"][s["chosen_len"]:], s["labels"][s["chosen_len"]:]) for s in samples]
@@ -189,7 +205,10 @@ def collate_pairs(samples: List[Dict[str, Any]], padding_idx: int = 0, ignore_id
     for i, (row_tokens, row_labels) in enumerate(rows):
         tokens[i, :len(row_tokens)] = torch.as_tensor(row_tokens, dtype=torch.long)
         labels[i, :len(row_labels)] = torch.as_tensor(row_labels, dtype=torch.long)
-    return {"tokens": tokens, "labels": labels, "lengths": torch.tensor([len(t) for t, _ in rows])}
+    batch = {"tokens": tokens, "labels": labels, "lengths": torch.tensor([len(t) for t, _ in rows])}
+    if all("pair_index" in s for s in samples):
+        batch["pair_index"] = torch.tensor([int(s["pair_index"]) for s in samples])
+    return batch
 
 
 def _trainable_after_shift(labels: Sequence[int], ignore_index: int) -> int:
@@ -234,8 +253,8 @@ def check_pairs(dataset: Dataset, key: str, *, ignore_index: int, model_max_seq_
 
 
 def build_pair_dataset(cfg_dataset: Any, tokenizer: Any, key: str = "dataset", *, ignore_index: int = -100,
-                       model_max_seq_len: Optional[int] = None,
-                       vocabulary: Optional[ModelVocabulary] = None) -> PairDataset:
+                       model_max_seq_len: Optional[int] = None, vocabulary: Optional[ModelVocabulary] = None,
+                       index_offset: int = 0) -> PairDataset:
     """Instantiate a preference dataset config (or a list, concatenated), check every pair, wrap it.
 
     ``vocabulary``: the model's token embedding; a token id of either response at or past its rows is
@@ -255,13 +274,13 @@ def build_pair_dataset(cfg_dataset: Any, tokenizer: Any, key: str = "dataset", *
     dataset = datasets[0] if len(datasets) == 1 else ConcatDataset(datasets)
     if len(dataset) == 0:
         raise ConfigError(key, "the dataset yields zero pairs")
-    return PairDataset(dataset)
+    return PairDataset(dataset, index_offset)
 
 
 def build_pair_loader(cfg: Any, tokenizer: Any, *, seed: int, ignore_index: int,
                       model_max_seq_len: Optional[int] = None, model_vocab_size: Optional[int] = None,
                       dp_rank: int = 0, dp_world_size: int = 1, key: str = "dataset",
-                      training: bool = True) -> StepLoader:
+                      training: bool = True, index_offset: int = 0) -> StepLoader:
     """The :class:`~torchtune_ext.data.step_loader.StepLoader` of a preference recipe's ``key`` dataset.
 
     ``batch_size`` counts pairs per micro-batch per rank (``2 x batch_size`` rows);
@@ -269,11 +288,12 @@ def build_pair_loader(cfg: Any, tokenizer: Any, *, seed: int, ignore_index: int,
     sequences together. Training reads ``batch_size``, ``gradient_accumulation_steps``, ``shuffle`` and
     ``max_steps_per_epoch``; validation (``training=False``) ``batch_size_val`` and ``max_val_samples``,
     in dataset order. ``model_vocab_size``: the rows of the model's token embedding (None: unknown), a larger
-    token id is refused as :func:`build_pair_dataset` says.
+    token id is refused as :func:`build_pair_dataset` says. ``index_offset``: the first pair's ``pair_index``.
     """
     dataset: Dataset = build_pair_dataset(cfg[key], tokenizer, key, ignore_index=ignore_index,
                                           model_max_seq_len=model_max_seq_len,
-                                          vocabulary=model_vocabulary(cfg, model_vocab_size))
+                                          vocabulary=model_vocabulary(cfg, model_vocab_size),
+                                          index_offset=index_offset)
     common = dict(ignore_index=ignore_index, dp_rank=dp_rank, dp_world_size=dp_world_size,
                   group_by_length=cfg.group_by_length, max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch)
 

@@ -19,7 +19,7 @@ steps is not (it weighs a pair of a short micro-batch more).
 """
 
 import contextlib
-from typing import Callable, ContextManager, Optional, Tuple
+from typing import Callable, ContextManager, Iterable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -186,6 +186,54 @@ class ModelReference:
             return forward_log_probs(self.model, self.lm, prepared)
 
 
+class PrecomputedReference:
+    """The reference's summed log-probabilities read from a table computed once before training.
+
+    Args:
+        table: ``[pairs, 2]`` fp32, nats: row ``i`` the reference's sums over the trainable tokens of pair
+            ``i``'s chosen and rejected response (:func:`reference_table`).
+
+    Called with a prepared micro-batch of ``P`` pairs whose ``extra["pair_index"]`` ``[P]`` says which rows
+    of the table they are; returns ``[2P]`` (the chosen responses, then the rejected), on the labels' device.
+
+    Raises:
+        ValueError: a micro-batch without ``pair_index`` (pairs not from a
+            :class:`~torchtune_ext.data.preference.PairDataset`).
+    """
+
+    def __init__(self, table: torch.Tensor):
+        self.table = table.float()
+
+    def __call__(self, prepared: Prepared) -> torch.Tensor:
+        index = prepared.extra.get("pair_index")
+        if index is None:
+            raise ValueError("precomputed reference log-probabilities need each pair's pair_index")
+        rows = self.table[index.to(self.table.device)]
+        return torch.cat([rows[:, 0], rows[:, 1]]).to(prepared.labels.device)
+
+
+def reference_table(reference: Callable[[Prepared], torch.Tensor], micro_batches: Iterable[Prepared],
+                    num_pairs: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``reference`` run over ``micro_batches``, each pair's chosen and rejected sums placed at its
+    ``pair_index``; pairs a micro-batch does not count (a stand-in's) are left out.
+
+    Returns:
+        (table, filled): ``[num_pairs, 2]`` fp32 nats, zeros where no micro-batch had the pair, and
+        ``[num_pairs]`` fp32, 1 where one had (the caller sums both over ranks).
+    """
+    table = torch.zeros(num_pairs, 2, dtype=torch.float32)
+    filled = torch.zeros(num_pairs, dtype=torch.float32)
+    for prepared in micro_batches:
+        sums = reference(prepared).detach().float().cpu()
+        pairs = sums.size(0) // 2
+        counted = prepared.extra["counted"].cpu()
+        index = prepared.extra["pair_index"].cpu()[counted]
+        table[index, 0] = sums[:pairs][counted]
+        table[index, 1] = sums[pairs:][counted]
+        filled[index] = 1.0
+    return table, filled
+
+
 class PreferenceObjective:
     """The training step's objective for preference pairs: the unit is a pair.
 
@@ -220,13 +268,14 @@ class PreferenceObjective:
         ``labels`` ``[2P, seq_len]`` and ``lengths`` ``[2P]`` (non-padding tokens per row)."""
         batch = dict(micro_batch)
         lengths = batch.pop("lengths")
+        pair_index = batch.pop("pair_index", None)  # where a precomputed reference looks its pairs up
         inputs, labels = prepare_micro_batch(batch, device, self.ignore_index)
         trainable = labels != self.ignore_index
         per_row = trainable.sum(dim=1)
         pairs = labels.size(0) // 2
         counted = (per_row[:pairs] > 0) & (per_row[pairs:] > 0)
         return Prepared(inputs, labels, int(counted.sum().item()), int(trainable.sum().item()),
-                        extra={"counted": counted, "row_tokens": per_row,
+                        extra={"counted": counted, "row_tokens": per_row, "pair_index": pair_index,
                                "lengths": torch.as_tensor(lengths, device=labels.device)})
 
     def __call__(self, model: nn.Module, prepared: Prepared, *, recompute_output: bool = False) -> TokenSums:

@@ -99,6 +99,7 @@ def test_lora_reference_is_the_base_and_full_reference_stays_frozen(runs):
     ("loss._component_=torchtune.modules.loss.CEWithChunkedOutputLoss", "loss._component_"),
     ("pack_micro_batches=true", "pack_micro_batches"),
     ("dataset.packed=true", "dataset.packed"),
+    ("precompute_reference_log_probs=maybe", "precompute_reference_log_probs"),
 ])
 def test_bad_preference_config_is_one_line(tiny_pairs, smollm2_assets, tmp_path, override, key):
     with pytest.raises(ConfigError) as err:
@@ -198,3 +199,131 @@ def test_a_stopped_and_resumed_run_equals_the_uninterrupted_one(runs, tiny_pairs
         assert sorted(final[name]) == sorted(again[name]), name
         for key, tensor in final[name].items():
             assert rel_diff(again[name][key].float(), tensor.float()) <= 1e-5, (name, key)
+
+
+@pytest.fixture
+def reference_calls(monkeypatch):
+    """Every call of a reference model, tagged 'setup' or 'training' (from setup_training on)."""
+    from torchtune_ext.run.preference import PreferenceRun
+    from torchtune_ext.train.preference import ModelReference
+
+    calls, phase = [], ["setup"]
+    call, setup_training = ModelReference.__call__, PreferenceRun.setup_training
+
+    def counted(self, prepared):
+        calls.append(phase[0])
+        return call(self, prepared)
+
+    def training_next(self, *args, **kwargs):
+        phase[0] = "training"
+        return setup_training(self, *args, **kwargs)
+
+    monkeypatch.setattr(ModelReference, "__call__", counted)
+    monkeypatch.setattr(PreferenceRun, "setup_training", training_next)
+
+    def take():
+        taken = list(calls)
+        calls.clear()
+        phase[0] = "setup"
+        return taken
+    return take
+
+
+@pytest.mark.parametrize("kind", sorted(RUNS))
+def test_precomputed_reference_log_probs_train_alike_without_the_reference(runs, tiny_pairs, smollm2_assets,
+                                                                            tmp_path, reference_calls, kind):
+    """precompute_reference_log_probs: the reference runs over the 7 + 3 pairs in setup (the micro-batches of
+    epoch 0 and of validation: 2 steps x 2, and 2), never while training; the table is stored with its
+    fingerprint; stopped after step 1 and resumed, the run reads the file (no reference call, no reference
+    model for the full recipe, the file untouched) and every record and the final weights equal the run that
+    ran its reference in every step (measured: equal bit for bit)."""
+    from tests.support import resume_jobs
+    from torchtune_ext.train.preference import PrecomputedReference
+
+    out, recipe = tmp_path / "pre", f"dpo_{kind}"
+    on = "precompute_reference_log_probs=true"
+    assert resume_jobs.run(recipe, config(kind, smollm2_assets, tiny_pairs, out, on), stop_after=1) == EXIT_STOPPED
+    assert reference_calls() == ["setup"] * 6
+    stored = torch.load(out / "reference_log_probs.pt", weights_only=True)
+    assert stored["table"].shape == (10, 2) and (stored["table"] < 0).all()
+    assert sorted(stored["fingerprint"]) == ["model", "pairs"]
+    written = (out / "reference_log_probs.pt").stat().st_mtime_ns
+
+    cls = recipe_class(*RUNS[kind][:2])
+    resumed = cls(config(kind, smollm2_assets, tiny_pairs, out, on, "resume_from_checkpoint=true"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        resumed.setup()
+        assert isinstance(resumed.run.objective.reference, PrecomputedReference)
+        assert resumed.train() == 0
+        resumed.cleanup()
+    finally:
+        torch.set_num_threads(threads)
+    assert reference_calls() == []
+    assert (out / "reference_log_probs.pt").stat().st_mtime_ns == written
+    want, got = _records(runs[kind][2]), _records(out)
+    assert sorted(got) == sorted(want)
+    for at, record in want.items():
+        for key in RESUMED_FIELDS:
+            if key in record:
+                assert abs(got[at][key] - record[key]) <= 1e-5 * abs(record[key]), (at, key, got[at][key], record[key])
+    final, again = _final_weights(runs[kind][2]), _final_weights(out)
+    for name in final:
+        for key, tensor in final[name].items():
+            assert rel_diff(again[name][key].float(), tensor.float()) <= 1e-5, (name, key)
+
+
+@pytest.mark.parametrize("change,what", [
+    ("dataset.data_files={root}/val.jsonl", "pairs (data, tokenizer or tokenizer.max_seq_len)"),
+    ("tokenizer.max_seq_len=200", "pairs (data, tokenizer or tokenizer.max_seq_len)"),
+    ("model.norm_eps=1e-6", "model (config, base weights or dtype)"),
+])
+def test_a_reference_file_of_another_run_is_refused_in_one_line(tiny_pairs, smollm2_assets, tmp_path, capsys,
+                                                                 change, what):
+    """A stored table whose fingerprint is not this run's: exit 2, one line naming the file, what differs and
+    the fix, before any model is built; the file is kept."""
+    from torchtune_ext.data.tokenizer import build_tokenizer
+    from torchtune_ext.run.control.exits import exit_on_user_error
+    from torchtune_ext.run.loop import run_recipe as run_checked
+    from torchtune_ext.run.reference_log_probs import save_table
+
+    path, name, _, _, keys = RUNS["lora"]
+    on = "precompute_reference_log_probs=true"
+    first = config("lora", smollm2_assets, tiny_pairs, tmp_path / "first", on)
+    built = []
+    recipe = recipe_class(path, name)
+
+    class Watched(recipe):
+        def setup(self):
+            built.append(self)
+            super().setup()
+
+    # the fingerprint of the run as configured, stored with a table (as a finished run leaves it)
+    probe = Watched(first)
+    probe.run.tokenizer = build_tokenizer(first.tokenizer)
+    probe.run.build_objective_and_data()
+    out = tmp_path / "out"
+    save_table(out / "reference_log_probs.pt", torch.full((10, 2), -1.0), probe.run.reference_fingerprint)
+    built.clear()
+    cfg = config("lora", smollm2_assets, tiny_pairs, out, on, change.format(root=tiny_pairs))
+    with pytest.raises(SystemExit) as done:
+        exit_on_user_error(run_checked)(Watched, cfg, keys)
+    assert done.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1
+    assert lines[0].startswith(f"error: config key 'precompute_reference_log_probs': '{out}/reference_log_probs.pt' "
+                               f"holds reference log-probabilities of other {what} than this run's; delete it")
+    assert not hasattr(built[0], "model")
+    assert sorted(p.name for p in out.iterdir()) == ["reference_log_probs.pt"]
+
+
+def test_precomputing_for_a_loss_without_a_reference_is_refused_before_the_model(tiny_pairs, smollm2_assets, tmp_path):
+    cfg = config("lora", smollm2_assets, tiny_pairs, tmp_path / "out", "precompute_reference_log_probs=true",
+                 "loss._component_=torchtune_ext.train.preference.PreferenceLoss", "loss.loss_type=simpo")
+    recipe = recipe_class(*RUNS["lora"][:2])(cfg)
+    with pytest.raises(ConfigError, match="the simpo loss has no reference model whose log-probabilities could be "
+                                          "precomputed; set it false") as err:
+        recipe.setup()
+    recipe.cleanup()
+    assert err.value.key == "precompute_reference_log_probs" and not hasattr(recipe, "model")
