@@ -31,6 +31,7 @@ teacher; the rest on the dataset's completions (offline). Here:
   loss (:class:`torchtune_ext.train.distill.DistillationObjective`).
 """
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple
@@ -145,6 +146,17 @@ def _decode_transformers(model: nn.Module, prompt: torch.Tensor, settings: OnPol
                        past_key_values=result.past_key_values, use_cache=True)
 
 
+def length_limit(model: nn.Module) -> Optional[int]:
+    """The longest sequence ``model`` takes: a torchtune decoder's ``max_seq_len``, a transformers model's
+    ``max_position_embeddings``; None if it says neither."""
+    limit = getattr(model, "max_seq_len", None)
+    if not isinstance(limit, int):
+        config = getattr(model, "config", None)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        limit = getattr(text, "max_position_embeddings", None)
+    return limit if isinstance(limit, int) and limit > 0 else None
+
+
 def generate(model: nn.Module, project: Callable[[torch.Tensor], torch.Tensor], prompt: torch.Tensor,
              settings: OnPolicySettings, generator: torch.Generator) -> List[int]:
     """The student's completion of ``prompt``, sampled with ``generator``.
@@ -161,8 +173,19 @@ def generate(model: nn.Module, project: Callable[[torch.Tensor], torch.Tensor], 
         generator: a CPU generator (:func:`sample_generator`).
 
     Returns:
-        the generated ids, 1 to ``max_new_tokens`` of them, ending at the first stop id if one is drawn.
+        the generated ids, 1 to ``max_new_tokens`` of them (fewer where the prompt and ``max_new_tokens``
+        would pass the model's maximum length, :func:`length_limit`), ending at the first stop id if one
+        is drawn.
+
+    Raises:
+        ValueError: the prompt alone fills the model's maximum length.
     """
+    limit = length_limit(model)
+    if limit is not None and prompt.numel() + settings.max_new_tokens > limit:
+        if prompt.numel() >= limit:
+            raise ValueError(f"a prompt of {prompt.numel()} tokens leaves no room to generate within the "
+                             f"model's {limit}")
+        settings = dataclasses.replace(settings, max_new_tokens=limit - prompt.numel())
     was_training = model.training
     model.eval()
     try:

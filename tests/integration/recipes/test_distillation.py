@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from tests.support.helpers import read_jsonl, recipe_class, run_recipe, run_tune, tiny_alpaca16_config
+from tests.support.wandb_reader import read_offline_run
 from torchtune_ext.config import ConfigError, validate
 from torchtune_ext.run.distillation import distillation_keys
 
@@ -175,6 +176,8 @@ def test_tune_run_distils_on_policy_and_refuses_bad_input_in_one_line(smollm2_as
     is written."""
     cfg = kd_config(smollm2_assets, tmp_path, "tune_run", TINY, "max_steps_per_epoch=2")
     cfg.pop("save_adapter_weights_only")  # a LoRA key (the config is the LoRA one): its warning is no error line
+    cfg.metric_logger = {"_component_": "torchtune.training.metric_logging.WandBLogger", "project": "kd",
+                         "mode": "offline", "log_dir": str(tmp_path / "tune_run" / "logs")}
     OmegaConf.save(cfg, tmp_path / "kd.yaml")
     recipe = "recipes/knowledge_distillation_single_device.py"
     proc = run_tune(recipe, "--config", str(tmp_path / "kd.yaml"), *ON_POLICY, timeout=300)
@@ -183,6 +186,9 @@ def test_tune_run_distils_on_policy_and_refuses_bad_input_in_one_line(smollm2_as
     assert [r["step"] for r in rows] == [1, 2]
     assert all("generated_tokens" in r and r["num_tokens"] > 0 for r in rows)
     assert (tmp_path / "tune_run" / "step_2").is_dir()
+    history = [h for h in read_offline_run(str(tmp_path / "tune_run" / "logs"))["history"] if "loss" in h]
+    assert [(h["generated_tokens"], h["generation_seconds"]) for h in history] == [
+        (r["generated_tokens"], r["generation_seconds"]) for r in rows]  # W&B (offline) logs them too
 
     step = tmp_path / "teacher_run" / "step_4"  # as a run with sharded_checkpoints writes it
     (step / "dcp").mkdir(parents=True)

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.support.helpers import IGNORE, clone, collate, instruct_samples, tiny_model, windows
+from tests.support.helpers import IGNORE, backward_mode, clone, collate, instruct_samples, tiny_model, windows
 from torchtune_ext.train.distill import DistillationObjective, KDLoss
 from torchtune_ext.train.loss import SummedCrossEntropyLoss
 from torchtune_ext.train.on_policy import (
@@ -58,10 +58,10 @@ def on_policy_objective(student, teacher, ratio, kd_ratio=0.5, **kw):
     return objective
 
 
-def step(student, teacher, micro_batches, ratio, kd_ratio=0.5):
+def step(student, teacher, micro_batches, ratio, kd_ratio=0.5, once=True):
     objective = on_policy_objective(student, teacher, ratio, kd_ratio)
     opt = torch.optim.SGD(student.parameters(), lr=0.0)
-    r = train_step(student, opt, objective, micro_batches, device=CPU)
+    r = train_step(student, opt, objective, micro_batches, device=CPU, backward=backward_mode(once))
     return r, objective.step_metrics()
 
 
@@ -71,7 +71,8 @@ def samples():
 
 @pytest.mark.parametrize("ratio", [0.5, 1.0])
 def test_any_split_gives_the_same_samples_loss_and_gradient(ratio):
-    """batch 8 == batch 1 x 8 == batch 2 x 4 (padded wider): same generated tokens, count, loss and grad norm."""
+    """batch 8 == batch 1 x 8 (backward once per step, its chunks recomputed, and per micro-batch) == batch
+    2 x 4 (padded wider): same generated tokens, count, loss and grad norm."""
     data = samples()
     teacher, student = teacher_model(), tiny_model(seed=0, embedding_std=0.3)
     whole, record = step(clone(student), clone(teacher), [collate(data)], ratio)
@@ -81,8 +82,10 @@ def test_any_split_gives_the_same_samples_loss_and_gradient(ratio):
     assert (0 < sum(picked) < len(data)) if ratio == 0.5 else all(picked)
     assert record["generated_tokens"] > 0 and record["generation_seconds"] > 0
     assert whole.num_tokens != offline  # the count is of the generated tokens for the chosen samples
-    for split in ([collate([s]) for s in data], windows(data, batch_size=2, grad_accum=4, pad_to=40)[0]):
-        got, got_record = step(clone(student), clone(teacher), split, ratio)
+    one_by_eight = [collate([s]) for s in data]
+    for split, once in ((one_by_eight, True), (one_by_eight, False),
+                        (windows(data, batch_size=2, grad_accum=4, pad_to=40)[0], True)):
+        got, got_record = step(clone(student), clone(teacher), split, ratio, once=once)
         assert got.num_tokens == whole.num_tokens
         assert got_record["generated_tokens"] == record["generated_tokens"]
         assert abs(got.loss - whole.loss) <= TOL * abs(whole.loss)
@@ -149,6 +152,17 @@ def test_kv_cache_decoding_matches_full_forwards():
         for token in out:
             assert token == int(student(torch.tensor([sequence]))[0, -1].argmax())
             sequence.append(token)
+
+
+def test_a_completion_stops_at_the_models_maximum_length():
+    """tiny_model takes 128 positions: a 125-token prompt gets at most 3 tokens, whatever max_new_tokens says."""
+    student = tiny_model(seed=0, embedding_std=0.3)
+    prompt = torch.randint(3, 100, (125,), generator=torch.Generator().manual_seed(0))
+    out = generate(student, lambda h: h, prompt, settings(1.0, max_new_tokens=10), sample_generator(0, 1, [4], "g"))
+    assert len(out) == 3
+    with pytest.raises(ValueError, match="no room"):
+        generate(student, lambda h: h, torch.zeros(128, dtype=torch.long), settings(1.0),
+                 sample_generator(0, 1, [4], "g"))
 
 
 def test_a_stop_token_ends_the_completion_and_top_k_limits_the_draws():
