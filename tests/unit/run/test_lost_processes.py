@@ -165,3 +165,49 @@ def test_a_restart_names_the_failure_and_a_reported_one_ends_the_job(tmp_path, c
     agent._remaining_restarts = 1
     assert launcher._say_before_a_restart(lambda a, g: healthy)(agent, group) is healthy
     assert agent._remaining_restarts == 1 and capsys.readouterr().err == ""
+
+
+def test_the_launcher_hosting_the_rendezvous_store_leaves_after_every_other_node(monkeypatch):
+    """After a successful job of 2 nodes, the launcher that hosts the c10d store returns from closing the
+    rendezvous only once the other node's launcher has closed it too (its late requests met a closed store, and
+    torch printed a C++ stack dump); the other returns at once, and makes no request after counting itself out."""
+    import socket
+    import threading
+    import time
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend as c10d_backend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    from torchtune_ext.run.control.launcher import _leave_together
+
+    closes = []
+    monkeypatch.setattr(SimpleElasticAgent, "_exit_barrier", lambda agent: None)  # torchrun's barrier: passed
+    monkeypatch.setattr(DynamicRendezvousHandler, "shutdown", lambda handler: closes.append(handler) or True)
+    undo = _leave_together()
+    try:
+        with socket.socket() as s:
+            s.bind(("localhost", 0))
+            port = s.getsockname()[1]
+        # what torchrun's c10d backend makes: the first launcher hosts the store, the other joins it
+        host_store = c10d_backend.TCPStore("localhost", port, is_master=True, multi_tenant=True,
+                                           timeout=timedelta(seconds=10))
+        other_store = c10d_backend.TCPStore("localhost", port, is_master=False, multi_tenant=True,
+                                            timeout=timedelta(seconds=10))
+        SimpleElasticAgent._exit_barrier(SimpleNamespace(_worker_group=SimpleNamespace(group_world_size=2)))
+        settings = SimpleNamespace(run_id="job")
+        host = SimpleNamespace(_settings=settings, _store=host_store)
+        other = SimpleNamespace(_settings=settings, _store=other_store)
+        done = threading.Event()
+        leaving = threading.Thread(target=lambda: DynamicRendezvousHandler.shutdown(host) and done.set())
+        leaving.start()
+        time.sleep(0.5)
+        assert closes == [host] and not done.is_set()  # closed, and waiting for the other node
+        assert DynamicRendezvousHandler.shutdown(other) is True  # returns at once
+        leaving.join(10)
+        assert done.is_set() and closes == [host, other]
+    finally:
+        undo()
+    assert DynamicRendezvousHandler.shutdown.__name__ == "<lambda>"  # torchrun's own again (here: the stand-in)

@@ -138,3 +138,8 @@ def test_a_skipped_step_is_said_once_per_job_by_rank_zero(monkeypatch, caplog, r
     expected = ["Optimizer step 1 skipped: no trainable token in any of its micro-batches.",
                 "Optimizer step 2 skipped: loss=nan grad_norm=1.0"]
     assert said == (expected if rank == "0" else [])
+    spiky = StepHealth(loss_spike_nats=3.0, start_step=3, history=[2.0, 2.1, 2.2])
+    with caplog.at_level(logging.WARNING):
+        spiky.before_update(4, 9.0, 1.0, 10)  # a spike, warned (the same on every rank)
+    spikes = [r.getMessage() for r in caplog.records if "above the highest loss" in r.getMessage()]
+    assert len(spikes) == (1 if rank == "0" else 0)

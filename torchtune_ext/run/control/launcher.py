@@ -30,6 +30,11 @@ from torchtune_ext.run.control.exits import LOST_PEER, STOP_OTHERS_SIGNAL, ignor
 # (the restart count, which could name a fresh namespace instead, is counted per node and differs between them).
 SHARED_STORE_OFF_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
+# After a job of several nodes succeeds, every node's launcher closes the c10d rendezvous, whose TCP store one of them
+# hosts; the host used to exit at once, and a launcher that closed after it printed a C++ stack dump of 16 lines or
+# more per failed store request (exit status 0 all the same). The host now waits this long at most for the others.
+LEAVE_TIMEOUT_S = 30.0
+
 
 def _recorded_output_dir(outcome_file: str) -> Optional[str]:
     try:
@@ -75,6 +80,10 @@ def quiet_reported_failures(run: Callable[..., Any]) -> Callable[..., Any]:
     bad input, a stop, a failed write, a destroyed model) ends the job instead,
     as a restart would meet it again or undo a stop.
 
+    After a successful job of several nodes, the launcher hosting the c10d
+    rendezvous store exits last, so that no other node's launcher prints torch's
+    stack dump for a store that went away (:func:`_leave_together`).
+
     While ``run`` runs, torchrun ends the workers left once one has failed
     with :data:`STOP_OTHERS_SIGNAL` instead of SIGTERM (a signal the launcher
     receives is still forwarded as it is), and the workers end with the
@@ -108,6 +117,7 @@ def quiet_reported_failures(run: Callable[..., Any]) -> Callable[..., Any]:
 
         monitor = LocalElasticAgent._monitor_workers
         LocalElasticAgent._monitor_workers = _say_before_a_restart(monitor)
+        undo_leave_together = _leave_together()
         try:
             return run(*args, **kwargs)
         except SignalException as err:
@@ -147,6 +157,7 @@ def quiet_reported_failures(run: Callable[..., Any]) -> Callable[..., Any]:
             if default_signal is not None:
                 elastic_api._get_default_signal = default_signal
             LocalElasticAgent._monitor_workers = monitor
+            undo_leave_together()
             os.environ.pop(LAUNCH_COMMAND_ENV, None)
             if launcher_pid is None:
                 os.environ.pop(LAUNCHER_PID_ENV, None)
@@ -154,6 +165,64 @@ def quiet_reported_failures(run: Callable[..., Any]) -> Callable[..., Any]:
                 os.environ[LAUNCHER_PID_ENV] = launcher_pid
 
     return wrapper
+
+
+def _leave_together() -> Callable[[], None]:
+    """Patch torchrun for one launch: after a successful job of several nodes, the launcher that hosts the c10d
+    rendezvous store exits only once every node's launcher has closed the rendezvous. Returns the undo.
+
+    torchrun's agents meet at an exit barrier when their workers have succeeded, then each closes the
+    rendezvous (a few store requests) and exits. When the store's host got there first, a launcher still
+    closing (or sending its keep-alive heartbeat) met a closed connection, and torch's TCP store printed a C++
+    stack dump for it, on a run that succeeded. Now each launcher counts itself out in the store after its
+    close, and the host waits for the count to reach the number of nodes (at most :data:`LEAVE_TIMEOUT_S`);
+    the others make no request after theirs. A failed job, one node, or another rendezvous backend is left as
+    torchrun has it.
+    """
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend as c10d_backend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    tcp_store, exit_barrier, shutdown = (c10d_backend.TCPStore, SimpleElasticAgent._exit_barrier,
+                                         DynamicRendezvousHandler.shutdown)
+    hosted: list = []  # the rendezvous stores this launcher serves (torchrun tries to host, then joins)
+    succeeded: dict = {}
+
+    def make_store(*args: Any, **kwargs: Any) -> Any:
+        store = tcp_store(*args, **kwargs)
+        if kwargs.get("is_master"):
+            hosted.append(store)
+        return store
+
+    def after_success(agent: Any) -> None:
+        exit_barrier(agent)  # only after the workers of this node succeeded: every node's agent is here
+        succeeded["nodes"] = agent._worker_group.group_world_size
+
+    def close(handler: Any) -> bool:
+        closed = shutdown(handler)  # stops the keep-alive heartbeats, then closes the rendezvous
+        nodes = succeeded.get("nodes", 1)
+        if nodes > 1:
+            key = f"torchtune_ext.{handler._settings.run_id}.closed"
+            try:
+                count = handler._store.add(key, 1)
+                deadline = time.monotonic() + LEAVE_TIMEOUT_S
+                while any(s is handler._store for s in hosted) and count < nodes and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    count = handler._store.add(key, 0)
+            except Exception:  # the rendezvous is closed already; this only orders the exits
+                pass
+        return closed
+
+    c10d_backend.TCPStore = make_store
+    SimpleElasticAgent._exit_barrier = after_success
+    DynamicRendezvousHandler.shutdown = close
+
+    def undo() -> None:
+        c10d_backend.TCPStore = tcp_store
+        SimpleElasticAgent._exit_barrier = exit_barrier
+        DynamicRendezvousHandler.shutdown = shutdown
+
+    return undo
 
 
 def _say_before_a_restart(monitor: Callable[..., Any]) -> Callable[..., Any]:
