@@ -106,6 +106,10 @@ def two_ranks(smollm2_assets, tmp_path_factory):
         OmegaConf.save(tiny_dpo_config(kind, smollm2_assets, root, root / f"dpo_{kind}", *DPO_SGD),
                        root / f"dpo_{kind}.yaml")
         jobs.append({"recipe": f"dpo_{kind}", "config": str(root / f"dpo_{kind}.yaml")})
+        # the same run with its reference log-probabilities precomputed over both ranks
+        OmegaConf.save(tiny_dpo_config(kind, smollm2_assets, root, root / f"dpo_{kind}_pre", *DPO_SGD,
+                                       "precompute_reference_log_probs=true"), root / f"dpo_{kind}_pre.yaml")
+        jobs.append({"recipe": f"dpo_{kind}", "config": str(root / f"dpo_{kind}_pre.yaml")})
     resume_jobs.launch(2, jobs)
     return root
 
@@ -114,6 +118,24 @@ def two_ranks(smollm2_assets, tmp_path_factory):
 # lr * sign(g), so a gradient entry near 0 whose fp32 rounding differs between the summation orders moves its
 # weight by +-lr). Not fused: fused SGD has no DTensor sharding rule.
 DPO_SGD = ("optimizer._component_=torch.optim.SGD", "optimizer.lr=1e-3", "optimizer.fused=false", "clip_grad_norm=null")
+
+
+@pytest.mark.parametrize("kind", ["lora", "full"])
+def test_dpo_with_precomputed_reference_on_two_ranks_equals_the_reference_run(two_ranks, kind):
+    """precompute_reference_log_probs on 2 ranks: each rank's pairs find their own reference sums (every rank
+    runs the reference on its micro-batches of epoch 0 and validation, one all-reduce shares the table), so
+    every record equals the 2-rank run that runs its reference in each step; rank 0 wrote the 7 + 3 pairs."""
+    want = read_jsonl(two_ranks / f"dpo_{kind}_dist" / "logs" / "metrics.jsonl")
+    got = read_jsonl(two_ranks / f"dpo_{kind}_dist_pre" / "logs" / "metrics.jsonl")
+    assert [r["step"] for r in got] == [r["step"] for r in want] and len(want) == 4
+    for g, w in zip(got, want):
+        assert g.get("num_pairs") == w.get("num_pairs") and g.get("num_tokens") == w.get("num_tokens")
+        for key in ("loss", "grad_norm", "rewards/margins", "rewards/chosen", "logps/rejected", "val_loss",
+                    "val_rewards/margins"):
+            if key in w:
+                assert g[key] == pytest.approx(w[key], rel=1e-5, abs=1e-7), (w["step"], key)
+    table = torch.load(two_ranks / f"dpo_{kind}_dist_pre" / "reference_log_probs.pt", weights_only=True)["table"]
+    assert table.shape == (10, 2) and (table < 0).all()
 
 
 @pytest.mark.parametrize("kind", ["lora", "full"])
