@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 
 from tests.support.helpers import REPO_ROOT, copy_smollm2_tokenizer
 from tests.support.hf_tiny import write_tiny, write_tiny_image_text
+from tests.support.tokenizer_cache import each_tokenizer_loaded_once
 
 NAMED = sorted(p for family in ("qwen3", "gemma3", "qwen3_moe")
                for p in (REPO_ROOT / "configs" / family).glob("*.yaml"))
@@ -62,6 +63,14 @@ def test_a_named_config_is_its_generic_config_with_per_model_settings(path):
     # the folder the header downloads is the model_dir it reads
     download = re.search(r"--local-dir (\S+)", path.read_text()).group(1)
     assert named["model_dir"] == download
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _load_each_tokenizer_once():
+    """Every named config reads the same SmolLM2 tokenizer in its family's folder: once per folder
+    (tests/support/tokenizer_cache.py; the tokenizer's own tests load it afresh each time)."""
+    with each_tokenizer_loaded_once():
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -81,6 +81,7 @@ def test_the_list_is_torchtunes():
     # torchtune 0.6.1: 17 + 27 + 41 + 36 fine-tuning, 2 + 2 knowledge distillation, 5 DPO (0 + 1 + 2 + 2)
     assert len(UPSTREAM) == 130
     assert len({name for _, name, _ in UPSTREAM}) == len(UPSTREAM)
+    assert (len(NOT_LORA), len(LORA)) == (53, 77)  # the two files check every one of them
 
 
 def test_family_model_types_agree_with_torchtune_configs():
@@ -239,7 +240,13 @@ def _check(recipe: str, name: str, path: Path, tmp_path: Path) -> None:
     assert _meta_count(OmegaConf.to_yaml(cfg.model)) == expected_parameter_count(builder, kw), (builder, kw)
 
 
-@pytest.mark.parametrize("recipe,name,path", UPSTREAM, ids=[f"{r}:{n}" for r, n, _ in UPSTREAM])
+# The LoRA recipes' 77 configs: tests/unit/config/test_upstream_lora_configs.py, a file of their own so that the
+# two pytest workers (which take a file each) share the meta-device builds.
+NOT_LORA = [case for case in UPSTREAM if not case[0].startswith("lora_finetune")]
+LORA = [case for case in UPSTREAM if case[0].startswith("lora_finetune")]
+
+
+@pytest.mark.parametrize("recipe,name,path", NOT_LORA, ids=[f"{r}:{n}" for r, n, _ in NOT_LORA])
 def test_torchtune_config_runs_unchanged(recipe, name, path, tmp_path, pretend_cuda):
     _check(recipe, name, path, tmp_path)
 

@@ -19,6 +19,7 @@ from torchtune.data import CROSS_ENTROPY_IGNORE_IDX, Message
 from torchtune.datasets import alpaca_dataset, chat_dataset, instruct_dataset, text_completion_dataset
 from transformers import AutoTokenizer
 
+from tests.support.tokenizer_cache import each_tokenizer_loaded_once
 from torchtune_ext.config import ConfigError
 from torchtune_ext.data.hf_tokenizer import HFTokenizer, hf_tokenizer
 from torchtune_ext.data.tokenizer import SmolLM2Tokenizer, check_tokenizer
@@ -141,29 +142,12 @@ def write_family(folder, smollm2_dir, name, template=None):
     return folder
 
 
-class _LoadedOnce:
-    """``AutoTokenizer`` for the module under test, loading each folder once (a load took 0.5-5 s here, by load
-    of the machine; tests build ``hf_tokenizer`` about 20 times on the same 4 folders). ``HFTokenizer`` keeps
-    its own template, length and template variables and changes nothing on the transformers tokenizer, so
-    its instances may share one. The references the tests compare with are loaded apart, with transformers'
-    own ``AutoTokenizer``; a folder that fails to load fails each time (nothing is cached)."""
-
-    _loaded = {}
-
-    @classmethod
-    def from_pretrained(cls, folder, **kwargs):
-        key = (folder, tuple(sorted(kwargs.items())))
-        if key not in cls._loaded:
-            cls._loaded[key] = AutoTokenizer.from_pretrained(folder, **kwargs)
-        return cls._loaded[key]
-
-
 @pytest.fixture(scope="module", autouse=True)
 def _load_each_folder_once():
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("torchtune_ext.data.hf_tokenizer.AutoTokenizer", _LoadedOnce)
+    """hf_tokenizer is built about 20 times here on the same 4 folders: each is read once
+    (tests/support/tokenizer_cache.py); the references below are loaded apart, by transformers itself."""
+    with each_tokenizer_loaded_once():
         yield
-    _LoadedOnce._loaded.clear()
 
 
 @pytest.fixture(scope="module")
