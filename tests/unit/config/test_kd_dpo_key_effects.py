@@ -18,12 +18,12 @@ import torch
 from omegaconf import OmegaConf
 
 from tests.support.helpers import tiny_model, write_tiny_hf_checkpoint
-from torchtune_ext.config.distillation import check_teacher, check_teacher_components
+from torchtune_ext.config.distillation import check_teacher
 from torchtune_ext.config.preference import PREFERENCE_KEYS
 from torchtune_ext.config.schema import DISTILLATION_KEYS
 from torchtune_ext.errors import ConfigError
 from torchtune_ext.model.teacher import build_teacher
-from torchtune_ext.run.distillation import on_policy_settings
+from torchtune_ext.run.distillation import distillation_keys, on_policy_settings
 from torchtune_ext.train.distill import DIVERGENCES, KDLoss
 from torchtune_ext.train.on_policy import OnPolicySettings, chosen, generate, sample_generator
 from torchtune_ext.train.preference import PreferenceLoss
@@ -152,17 +152,18 @@ def test_teacher_model_dir_loads_a_hugging_face_teacher_in_teacher_dtype(tmp_pat
 
 def test_a_teacher_node_without_its_component_is_refused_before_anything_loads(tmp_path):
     """The schema reads a node without _component_ as switched off and check_teacher only asks that it be there:
-    a checkpointer of checkpoint_dir alone used to reach torchtune's instantiate after the student had loaded."""
+    a checkpointer of checkpoint_dir alone used to reach torchtune's instantiate after the student had loaded.
+    The recipes' key check (distillation_keys) now refuses it in one line."""
     write_tiny_hf_checkpoint(tmp_path / "teacher")
     good = teacher_config(tmp_path, None)
-    check_teacher_components(good)
-    check_teacher_components(OmegaConf.create({"teacher_model_dir": str(tmp_path)}))
+    distillation_keys(good)
+    distillation_keys(OmegaConf.create({"teacher_model_dir": str(tmp_path / "teacher")}))
     for key in ("teacher_model", "teacher_checkpointer"):
         cfg = good.copy()
         del cfg[key]["_component_"]
         check_teacher(cfg)  # the folder is there: this check alone let it through
         with pytest.raises(ConfigError) as err:
-            check_teacher_components(cfg)
+            distillation_keys(cfg)
         assert err.value.key == key and "\n" not in str(err.value)
 
 
