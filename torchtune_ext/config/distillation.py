@@ -106,6 +106,27 @@ def check_teacher(cfg: DictConfig) -> None:
     raise ConfigError(key, f"'{path}' does not exist. Download the teacher first: {_download_hint(path)}")
 
 
+def check_teacher_components(cfg: DictConfig) -> None:
+    """``teacher_model`` and ``teacher_checkpointer`` each name their ``_component_``, before any work.
+
+    The schema reads a node without ``_component_`` as switched off (torchtune's
+    ``key=null``), and :func:`check_teacher` only asks that the node be there; a
+    checkpointer written as ``{checkpoint_dir: ...}`` alone would otherwise pass
+    both and fail in torchtune's instantiate after the student has loaded.
+
+    Raises:
+        ConfigError: (key ``teacher_model`` or ``teacher_checkpointer``) naming the missing ``_component_``.
+    """
+    if cfg.get("teacher_model") is None:
+        return  # teacher_model_dir names the teacher (check_teacher refused neither or both)
+    what = {"teacher_model": "the teacher's torchtune builder",
+            "teacher_checkpointer": "its checkpointer, e.g. torchtune.training.FullModelHFCheckpointer"}
+    for key, names in what.items():
+        node = cfg.get(key)
+        if not isinstance(node, (dict, DictConfig)) or not isinstance(node.get("_component_"), str):
+            raise ConfigError(key, f"needs a _component_ naming {names} (as torchtune's KD configs give it)")
+
+
 def _teacher_identity(cfg: Any) -> tuple:
     """What names a teacher in a config (a resolved dict or a DictConfig): its folder, builder, checkpoint."""
     builder = cfg.get("teacher_model") or {}

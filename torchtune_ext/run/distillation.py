@@ -17,7 +17,12 @@ from omegaconf import DictConfig
 
 from torchtune_ext import config as recipe_config
 from torchtune_ext.checkpoint import is_sharded
-from torchtune_ext.config.distillation import check_on_policy, check_same_teacher, check_teacher
+from torchtune_ext.config.distillation import (
+    check_on_policy,
+    check_same_teacher,
+    check_teacher,
+    check_teacher_components,
+)
 from torchtune_ext.data.tokenizer import build_tokenizer
 from torchtune_ext.errors import ConfigError
 from torchtune_ext.model.teacher import build_teacher, check_vocabulary
@@ -61,6 +66,7 @@ def distillation_keys(cfg: DictConfig, distributed: bool = False) -> Dict[str, r
     checked (:mod:`torchtune_ext.config.distillation`): distillation, LoRA for a LoRA student, FSDP2."""
     check_teacher(cfg)
     check_teacher_not_sharded(cfg)
+    check_teacher_components(cfg)
     check_on_policy(cfg, distributed)
     keys = dict(recipe_config.DISTILLATION_KEYS)
     if student_is_lora(cfg.get("model", {})):
