@@ -203,6 +203,12 @@ class CheckpointManager(ShardedSaves):
             raise  # a checkpointer's own one line (torchtune_ext.model.hf's): already names its key and fix
         except Exception as err:
             raise _unreadable(source, err, resume_from is not None and not adapter) from err
+        base = str(self._cfg.get("checkpoint_dir", ""))
+        if "checkpoint_dir" in overrides and os.path.isdir(base) and hasattr(self._checkpointer, "_checkpoint_dir"):
+            # The weights came from the resumed step, but keep_last_n_checkpoints deletes that folder
+            # a few saves later: the files each save copies beside the weights (config, tokenizer,
+            # generation config) are the base checkpoint's, which outlives the run.
+            self._checkpointer._checkpoint_dir = Path(base)
         if adapter and resume_from is not None:
             try:
                 state[training.ADAPTER_KEY] = torch.load(

@@ -72,7 +72,9 @@ def _download_hint(path: str) -> str:
     if norm == "assets" or norm.startswith("assets" + os.sep):
         return f"`{DOWNLOAD_COMMAND}`"
     command = download_command(path)
-    return f"`{command}`" if command else "its download"
+    if command:
+        return f"`{command}`"
+    return f"put the model's files in '{path}' or set the key to the folder that has them"
 
 
 def check_teacher(cfg: DictConfig) -> None:

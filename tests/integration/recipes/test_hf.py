@@ -161,12 +161,16 @@ def test_a_resumed_run_continues_exactly(folder, one_device):
     shutil.copytree(one_device / "step_2", resumed / "step_2")  # as if the run had stopped after step 2
     cfg = OmegaConf.load(REPO_ROOT / "configs/hf/full_single_device.yaml")
     cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides(
-        folder, resumed, "batch_size=2", "gradient_accumulation_steps=2", "save_every_n_steps=2",
-        "resume_from_checkpoint=true")))
+        folder, resumed, "batch_size=2", "gradient_accumulation_steps=2", "save_every_n_steps=1",
+        # step_3's save deletes the step resumed from: later saves must not read from it
+        "keep_last_n_checkpoints=1", "resume_from_checkpoint=true")))
     recipe = run_recipe(recipe_class("recipes/full_finetune_single_device.py", "FullFinetuneRecipeSingleDevice"),
                         validate(cfg))
     expected, got = read_jsonl(one_device / "logs" / "metrics.jsonl"), read_jsonl(resumed / "logs" / "metrics.jsonl")
     assert [r["step"] for r in got] == [3, 4]
+    assert sorted(p.name for p in resumed.glob("step_*")) == [f"step_{STEPS}"]
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):  # copied from the base folder
+        assert (resumed / f"step_{STEPS}" / name).is_file(), name
     for a, b in zip(got, expected[2:]):
         assert a["num_tokens"] == b["num_tokens"] and a["lr"] == b["lr"]
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)

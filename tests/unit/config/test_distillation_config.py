@@ -35,6 +35,11 @@ def test_one_teacher_with_its_checkpointer():
     with pytest.raises(ConfigError, match="python -m torchtune_ext.download") as err:
         check_teacher(OmegaConf.create({**TEACHER, "teacher_checkpointer": {"checkpoint_dir": "assets/missing"}}))
     assert err.value.key == "teacher_checkpointer.checkpoint_dir"
+    # a folder no download command is known for: the line still ends with what to do
+    with pytest.raises(ConfigError) as err:
+        check_teacher(OmegaConf.create({**TEACHER, "teacher_checkpointer": {"checkpoint_dir": "/nonexistent"}}))
+    assert "put the model's files in '/nonexistent' or set the key" in str(err.value)
+    assert not str(err.value).rstrip().endswith(":")
 
 
 def test_resume_with_another_teacher_is_refused():

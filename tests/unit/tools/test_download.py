@@ -247,3 +247,15 @@ def test_greedy_answer_mentions_paris(smollm2):
     answer = tok.decode(out[0, len(prompt) :].tolist())
     print(f"\ngreedy answer: {answer!r}")
     assert "Paris" in answer
+
+
+def test_the_summary_counts_every_asset_and_the_student_once(tmp_path, monkeypatch, capsys):
+    """A fresh download builds the four assets and the distillation student: 5 built, none present
+    (it printed -1 present when the student was counted as built but not as an asset)."""
+    import torchtune_ext.tools.download as dl
+
+    everything = [a.relpath for a in dl.ASSETS] + [dl.STUDENT_DIRNAME]
+    for built, present in ((everything, 0), ([], len(everything)), (everything[:1], len(everything) - 1)):
+        monkeypatch.setattr(dl, "download", lambda *a, built=built, **k: list(built))
+        assert dl.main(["--output-dir", str(tmp_path), "--cache-dir", str(tmp_path / "cache")]) == 0
+        assert f"{len(built)} asset(s) built, {present} already present" in capsys.readouterr().out
