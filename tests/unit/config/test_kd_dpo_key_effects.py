@@ -18,6 +18,7 @@ import torch
 from omegaconf import OmegaConf
 
 from tests.support.helpers import tiny_model, write_tiny_hf_checkpoint
+from tests.support.threads import one_thread  # noqa: F401  (autouse: one CPU thread)
 from torchtune_ext.config.distillation import check_teacher
 from torchtune_ext.config.preference import PREFERENCE_KEYS
 from torchtune_ext.config.schema import DISTILLATION_KEYS
@@ -204,14 +205,6 @@ def test_on_policy_temperature_sharpens_or_flattens_the_students_draws():
     assert set(draws(1.0)) != {argmax}
     assert len(set(draws(50.0))) >= 8
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matrices: one thread is fastest, and leaves the other cores to the other test processes."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 # ---- preference -------------------------------------------------------------------------------------------------

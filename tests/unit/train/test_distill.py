@@ -27,6 +27,7 @@ from tests.support.helpers import (
     tiny_model,
     windows,
 )
+from tests.support.threads import one_thread  # noqa: F401  (autouse: one CPU thread)
 from torchtune_ext.data import collate_packed
 from torchtune_ext.errors import ConfigError
 from torchtune_ext.train.distill import DistillationObjective, KDLoss, build_kd_loss, divergence_sum
@@ -242,11 +243,3 @@ def test_torchtune_kd_losses_are_accepted_and_others_refused():
         build_kd_loss(OmegaConf.create({"_component_": "torchtune_ext.train.distill.KDLoss",
                                         "divergence": "kl"}), IGNORE)
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matrices: one thread is fastest, and does not fight the other test processes for the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)

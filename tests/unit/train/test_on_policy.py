@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.support.helpers import IGNORE, backward_mode, clone, collate, instruct_samples, tiny_model, windows
+from tests.support.threads import one_thread  # noqa: F401  (autouse: one CPU thread)
 from torchtune_ext.train.distill import DistillationObjective, KDLoss
 from torchtune_ext.train.loss import SummedCrossEntropyLoss
 from torchtune_ext.train.on_policy import (
@@ -203,13 +204,6 @@ def test_settings_are_checked():
         with pytest.raises(ValueError):
             OnPolicySettings(**bad)
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_a_transformers_student_decodes_with_its_own_cache(tmp_path):
